@@ -1,0 +1,88 @@
+"""The attention backend interface. One backend instance serves all layers of one ModelRunner."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from labkit.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """What a backend needs to know about the layer calling it."""
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+@dataclass(frozen=True)
+class AttentionBackendConfig:
+    """What a backend is built from (GPU backends size workspaces and graphs from it)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    max_context_len: int
+    max_batch_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+class AttentionBackend(ABC):
+    """Paged attention over the TokenToKVPool.
+
+    Constructed as `cls(AttentionBackendConfig)`. Contract every implementation must keep:
+    - `init_forward_metadata(fb)` is called once per forward, before any layer; all per-batch index
+      work (gathering req_to_token rows, lengths, masks) belongs there, not in the per-layer calls.
+    - `forward(q, k, v, layer, fb)` gets q [T, num_heads, head_dim] and k, v [T, num_kv_heads, head_dim]
+      for the T = fb.num_tokens new tokens (in request order). Unless `save_kv_cache` is False it first
+      writes k, v into the pool at fb.out_cache_loc, then returns attention output [T, num_heads*head_dim].
+    - Token t of request i attends causally to all KV of request i at positions <= its own position: the
+      extend_prefix_lens cached tokens (read through req_to_token) and the new tokens before it. Nothing
+      from other requests, nothing at a later position. GQA: query head h reads KV head h // (H / H_kv).
+    - Results must not depend on how requests are grouped into a batch beyond floating-point rounding,
+      and must work for any page_size (slots come from req_to_token; no contiguity is assumed).
+    - DECODE has exactly one token per request; EXTEND and MIXED any number >= 1 per request.
+    """
+
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None: ...
+
+    @abstractmethod
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor: ...
+
+    @abstractmethod
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor: ...
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch, save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_attention_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
+    def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        ATTENTION_BACKENDS[name] = cls
+        return cls
+
+    return wrap

@@ -1,0 +1,263 @@
+"""Engine: labkit in one process. `generate(...)` for batch use; `add_request` + `step()` to walk a
+run one scheduler iteration at a time, with the live scheduler, pools and radix cache inspectable."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from labkit.config import EngineConfig
+from labkit.io_struct import GenerateReqInput, TokenizedGenerateReqInput
+from labkit.model_executor.forward_batch import ForwardMode
+from labkit.model_executor.model_runner import ModelRunner
+from labkit.model_loader.loader import load_tokenizer, resolve_model_dir
+from labkit.sampling.sampling_params import SamplingParams
+from labkit.scheduler.schedule_batch import Req
+from labkit.scheduler.scheduler import Scheduler, StepOutput
+from labkit.tokenizer.detokenizer import IncrementalDetokenizer
+from labkit.trace.events import PoolUsage, Station
+from labkit.trace.recorder import Tracer
+
+
+@dataclass
+class EngineStep:
+    """What one `Engine.step()` did, for people: the batch, the new tokens and text, the memory."""
+
+    step: int
+    forward_mode: str
+    rids: list[str]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    new_tokens: dict[str, int]
+    new_text: dict[str, str]
+    finished: list[str]
+    retracted: list[str]
+    blocked: dict[str, str]
+    cache_hit_tokens: int
+    pool: PoolUsage
+    running: int
+    waiting: int
+
+
+@dataclass
+class _ReqState:
+    detokenizer: IncrementalDetokenizer | None
+    times: dict[str, float] = field(default_factory=dict)
+    text: str = ""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any):
+        config = config or EngineConfig()
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(EngineConfig)}
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {sorted(unknown)}")
+        self.config = dataclasses.replace(config, **overrides)
+        self.tracer = Tracer() if self.config.enable_trace else None
+        model_dir = resolve_model_dir(self.config.model_path) if self.config.load_format != "dummy" else None
+        self.tokenizer = load_tokenizer(model_dir) if model_dir is not None else None
+        self.model_runner = ModelRunner(self.config, self.tokenizer)
+        self.scheduler = Scheduler(self.config, self.model_runner, self.tokenizer, self.tracer)
+        self._states: dict[str, _ReqState] = {}
+        self.results: dict[str, dict[str, Any]] = {}  # finished requests of step-wise use, by rid
+        self._rid_counter = itertools.count()
+        self._last_pieces: dict[str, str] = {}  # rid -> text piece the last step produced
+
+    # ---- the live components, for inspection ----------------------------------------------
+    @property
+    def tree_cache(self):
+        return self.scheduler.tree_cache
+
+    @property
+    def req_to_token_pool(self):
+        return self.model_runner.req_to_token_pool
+
+    @property
+    def token_to_kv_pool(self):
+        return self.model_runner.token_to_kv_pool
+
+    @property
+    def allocator(self):
+        return self.model_runner.token_to_kv_pool_allocator
+
+    def pool_usage(self) -> PoolUsage:
+        return self.scheduler.pool_usage()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
+                    messages: list[dict[str, Any]] | None = None,
+                    sampling_params: dict[str, Any] | SamplingParams | None = None,
+                    rid: str | None = None) -> str:
+        """Tokenize and enqueue one request; returns its rid. Bad input raises ValueError."""
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = dataclasses.asdict(sampling_params)
+        req = GenerateReqInput(text=prompt, input_ids=input_ids, messages=messages,
+                               sampling_params=dict(sampling_params or {}), rid=rid)
+        start = time.perf_counter()
+        tokenized = self._tokenize(req)
+        if tokenized.rid in self._states:
+            raise ValueError(f"request id {tokenized.rid!r} is already in use")
+        end = time.perf_counter()
+        scheduled = self.scheduler.add_request(tokenized)
+        params = scheduled.sampling_params
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, stop=params.stop or [],
+                                           skip_special_tokens=params.skip_special_tokens,
+                                           spaces_between_special_tokens=params.spaces_between_special_tokens)
+        self._states[tokenized.rid] = _ReqState(detok, times={"tokenize": start})
+        if self.tracer is not None:
+            self.tracer.station(tokenized.rid, Station.TOKENIZE, start, end,
+                                text=tokenized.input_text, input_ids=tokenized.input_ids)
+        return tokenized.rid
+
+    def _tokenize(self, req: GenerateReqInput) -> TokenizedGenerateReqInput:
+        given = [x is not None for x in (req.text, req.input_ids, req.messages)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt (text), input_ids or messages")
+        text = req.text
+        if req.input_ids is not None:
+            if not isinstance(req.input_ids, list) or not all(isinstance(t, int) for t in req.input_ids):
+                raise ValueError("input_ids must be a list of ints")
+            ids = list(req.input_ids)
+        else:
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (dummy weights): pass input_ids")
+            if req.messages is not None:
+                text = self.apply_chat_template(req.messages)
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            else:
+                if not isinstance(text, str):
+                    raise ValueError("prompt must be a string")
+                ids = self.tokenizer(text)["input_ids"]
+        rid = req.rid if req.rid is not None else f"req-{next(self._rid_counter)}"
+        return TokenizedGenerateReqInput(rid=rid, input_text=text, input_ids=ids,
+                                         sampling_params=req.sampling_params, created_time=time.perf_counter())
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                      for m in messages):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def abort(self, rid: str) -> bool:
+        return self.scheduler.abort_request(rid)
+
+    def flush_cache(self) -> None:
+        """Drop the prefix cache, returning its KV slots. Only when no request is in flight."""
+        if self.scheduler.has_work():
+            raise RuntimeError("cannot flush the cache while requests are waiting or running")
+        self.tree_cache.reset()
+
+    # ---- running -----------------------------------------------------------------------------
+    def step(self) -> EngineStep:
+        """Run exactly one scheduler iteration and report it."""
+        out = self._step()
+        sched = self.scheduler
+        return EngineStep(
+            step=out.step, forward_mode=out.forward_mode.name, rids=out.rids, prefix_lens=out.prefix_lens,
+            extend_lens=out.extend_lens, new_tokens=out.new_token_ids,
+            new_text=dict(self._last_pieces),
+            finished=[r.rid for r in out.finished], retracted=out.retracted, blocked=out.blocked,
+            cache_hit_tokens=out.cache_hit_tokens, pool=sched.pool_usage(),
+            running=len(sched.running), waiting=len(sched.waiting_queue),
+        )
+
+    def _step(self) -> StepOutput:
+        out = self.scheduler.step()
+        self._last_pieces = {}
+        start = time.perf_counter()
+        for rid, token in out.new_token_ids.items():
+            state = self._states[rid]
+            if state.detokenizer is not None:
+                self._last_pieces[rid] = state.detokenizer.feed([token])
+        for req in out.finished:
+            state = self._states.pop(req.rid)
+            if state.detokenizer is not None:
+                self._last_pieces[req.rid] = self._last_pieces.get(req.rid, "") + state.detokenizer.finish()
+            self.results[req.rid] = self._result(req, state)
+        if self.tracer is not None:
+            end = time.perf_counter()
+            done = {r.rid: r for r in out.finished}
+            for rid in set(out.new_token_ids) | set(done):
+                reason = done[rid].finished_reason.to_dict() if rid in done else None
+                self.tracer.station(rid, Station.DETOKENIZE, start, end, step=out.step,
+                                    token=out.new_token_ids.get(rid), piece=self._last_pieces.get(rid, ""),
+                                    finish_reason=reason)
+        if out.forward_mode == ForwardMode.IDLE and not self.scheduler.running and self.scheduler.waiting_queue \
+                and not out.finished:
+            raise RuntimeError("the scheduler cannot admit any waiting request (see EngineStep.blocked)")
+        return out
+
+    def _result(self, req: Req, state: _ReqState) -> dict[str, Any]:
+        detok = state.detokenizer
+        times = {**state.times, **req.times}
+        reason = req.finished_reason.to_dict()
+        meta = {
+            "id": req.rid,
+            "prompt_tokens": len(req.origin_input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "finish_reason": reason,
+            "matched_stop": reason["matched"] if reason["type"] == "stop" else None,
+            "retractions": req.retract_count,
+            "timestamps": times,
+            "ttft": times["first_token"] - times["arrival"] if "first_token" in times else None,
+            "e2e_latency": times["finished"] - times["arrival"],
+        }
+        if req.sampling_params.return_logprob:
+            meta["output_token_logprobs"] = list(zip(req.output_token_logprobs, req.output_ids))
+            meta["output_top_logprobs"] = req.output_top_logprobs
+        return {"text": detok.text if detok is not None else None, "output_ids": list(req.output_ids),
+                "meta_info": meta}
+
+    def run_until_done(self) -> None:
+        while self.scheduler.has_work():
+            self._step()
+
+    def generate(self, prompt: str | list[str] | None = None,
+                 sampling_params: dict[str, Any] | SamplingParams | list | None = None, *,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = None,
+                 ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Generate for one prompt (returns a dict) or many (returns a list, in order).
+        Prompts are text, token ids or chat messages; sampling_params is one for all or one each."""
+        single, items = _as_batch(prompt, input_ids, messages)
+        n = len(items)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        if len(params) != n:
+            raise ValueError(f"{len(params)} sampling_params for {n} prompts")
+        rids: list[str] = []
+        try:
+            for item, p in zip(items, params):
+                rids.append(self.add_request(**item, sampling_params=p))
+        except ValueError:
+            for rid in rids:  # all or nothing: take back what was already queued
+                self.abort(rid)
+            self.run_until_done()
+            for rid in rids:
+                self.results.pop(rid, None)
+            raise
+        while any(rid not in self.results for rid in rids):
+            self._step()
+        outs = [self.results.pop(rid) for rid in rids]
+        return outs[0] if single else outs
+
+
+def _as_batch(prompt, input_ids, messages) -> tuple[bool, list[dict[str, Any]]]:
+    """Normalize the three prompt forms into a list of add_request keyword sets."""
+    if sum(x is not None for x in (prompt, input_ids, messages)) != 1:
+        raise ValueError("give exactly one of prompt, input_ids or messages")
+    if prompt is not None:
+        return (True, [{"prompt": prompt}]) if isinstance(prompt, str) else (False, [{"prompt": p} for p in prompt])
+    if input_ids is not None:
+        if input_ids and isinstance(input_ids[0], list):
+            return False, [{"input_ids": ids} for ids in input_ids]
+        return True, [{"input_ids": input_ids}]
+    if messages and isinstance(messages[0], list):
+        return False, [{"messages": m} for m in messages]
+    return True, [{"messages": messages}]

@@ -1,0 +1,14 @@
+"""Gated MLP activation."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """Input [..., 2*d] = cat(gate, up); output silu(gate) * up, [..., d]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,32 @@
+"""The model-side attention layer: a thin handle that forwards to the batch's attention backend."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from labkit.attention.base import AttentionLayerSpec
+
+if TYPE_CHECKING:
+    from labkit.model_executor.forward_batch import ForwardBatch
+
+
+class Attention(nn.Module):
+    """Paged attention for one layer. q [T, H*D], k, v [T, H_kv*D] -> [T, H*D]."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scaling: float | None = None) -> None:
+        super().__init__()
+        self.spec = AttentionLayerSpec(
+            layer_id=layer_id, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            scaling=head_dim ** -0.5 if scaling is None else scaling,
+        )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        s = self.spec
+        return forward_batch.attn_backend.forward(
+            q.view(-1, s.num_heads, s.head_dim), k.view(-1, s.num_kv_heads, s.head_dim),
+            v.view(-1, s.num_kv_heads, s.head_dim), s, forward_batch,
+        )

@@ -1,0 +1,80 @@
+"""Rotary position embedding, neox style (rotate halves), as in HF Llama / Qwen2 / Qwen3."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """Rope settings from a HF config: transformers-5 `rope_parameters`, or the older `rope_theta` +
+    `rope_scaling` attributes. Always has "rope_type" and "rope_theta"."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+    if "rope_type" not in params:
+        params["rope_type"] = params.pop("type", "default")
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    return params
+
+
+def compute_inv_freq(head_dim: int, params: dict[str, Any], max_position: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] (float32, CPU) for rope types "default" and "llama3"."""
+    base = float(params["rope_theta"])
+    # Explicit CPU device: models are built under torch.device("meta"), and this must be real.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (base ** exponents)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope type {rope_type!r} (supported: default, llama3)")
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params.get("original_max_position_embeddings", max_position)
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept; the band between is interpolated.
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rope to q [T, H, D] and k [T, H_kv, D] at `positions` [T].
+
+    cos/sin are computed from the positions on the fly in float32 (cheap: T x D/2), which keeps no
+    large cache and survives meta-device construction; inv_freq is a plain attribute, not a buffer."""
+
+    def __init__(self, head_dim: int, params: dict[str, Any], max_position: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self._inv_freq_cpu = compute_inv_freq(head_dim, params, max_position)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = self._inv_freq_cpu.to(device)
+        return self._inv_freq[device]
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self._inv_freq_on(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D], broadcast over heads
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def get_rope(head_dim: int, config: Any) -> RotaryEmbedding:
+    """Build the rotary embedding described by a HF config."""
+    return RotaryEmbedding(head_dim, rope_parameters(config), config.max_position_embeddings)

@@ -1,0 +1,62 @@
+"""The two memory pools: request slots (ReqToTokenPool) and per-layer KV storage (TokenToKVPool).
+KV slot allocation is the allocator's job (allocator.py); these classes only own the tensors."""
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """req_to_token[r, i] is the KV slot holding token i of the request in slot r."""
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str = "cpu"):
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self.free_slots: list[int] = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, n: int = 1) -> list[int] | None:
+        if n > len(self.free_slots):
+            return None
+        taken, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        return taken
+
+    def free(self, slot: int) -> None:
+        if slot in self.free_slots:
+            raise RuntimeError(f"request slot {slot} freed twice")
+        self.free_slots.append(slot)
+
+    def clear(self) -> None:
+        self.free_slots = list(range(self.size))
+
+
+class TokenToKVPool:
+    """K and V tensors per layer, [num_slots, num_kv_heads, head_dim]. The first page (slots
+    0..page_size-1) is never handed out: padded tokens write there, so no real KV is overwritten."""
+
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype, num_layers: int,
+                 num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu"):
+        self.size = size  # usable slots, excluding the reserved first page
+        self.page_size = page_size
+        self.dtype = dtype
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        shape = (size + page_size, num_kv_heads, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k_buffer[0].element_size()

@@ -1,0 +1,247 @@
+"""RadixCache: a radix tree over token ids whose nodes own the KV slots of their tokens.
+
+Children are keyed by the first page of the child's key (the first token when page_size is 1), so
+with page_size > 1 every key, match and split is page-aligned: two sequences that differ inside a
+page share nothing of that page.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Iterator
+
+import torch
+
+from labkit.mem_cache.allocator import TokenToKVPoolAllocator
+from labkit.mem_cache.base_prefix_cache import BasePrefixCache, CacheableReq, EventHook, MatchResult
+from labkit.mem_cache.memory_pool import ReqToTokenPool
+from labkit.trace.events import TreeEvent
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class TreeNode:
+    __slots__ = ("id", "parent", "children", "key", "value", "lock_ref", "last_access_time")
+
+    def __init__(self, node_id: int, parent: TreeNode | None, key: list[int], value: torch.Tensor,
+                 last_access_time: int):
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[int | tuple[int, ...], TreeNode] = {}
+        self.key = key
+        self.value = value  # int64 KV slots, one per token of key
+        self.lock_ref = 0
+        self.last_access_time = last_access_time  # logical clock: larger is more recent
+
+    def __lt__(self, other: TreeNode) -> bool:  # heap order for eviction: LRU first, then id
+        return (self.last_access_time, self.id) < (other.last_access_time, other.id)
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+def _common_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the common case, at C speed
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+class RadixCache(BasePrefixCache):
+    def __init__(self, req_to_token_pool: ReqToTokenPool,
+                 token_to_kv_pool_allocator: TokenToKVPoolAllocator, page_size: int,
+                 on_event: EventHook | None = None):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = token_to_kv_pool_allocator
+        self.page_size = page_size
+        self.on_event = on_event
+        self._ids = itertools.count()
+        self._clock = itertools.count(1)
+        self._empty = _EMPTY.to(token_to_kv_pool_allocator.device)
+        self._new_tree()
+
+    def _new_tree(self) -> None:
+        self.root = TreeNode(next(self._ids), None, [], self._empty, 0)
+        self._evictable = 0
+        self._protected = 0
+
+    def _child_key(self, key: list[int], pos: int) -> int | tuple[int, ...]:
+        return key[pos] if self.page_size == 1 else tuple(key[pos:pos + self.page_size])
+
+    def _emit(self, kind: str, node: TreeNode, parent: TreeNode | None) -> None:
+        assert self.on_event is not None  # internal: callers check first, so tracing off is free
+        self.on_event(TreeEvent(kind, time.perf_counter(), node.id,
+                                parent.id if parent is not None else None, len(node.key), list(node.key)))
+
+    # ---- lookup / insert ----
+
+    def _walk(self, key: list[int]) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Follow key (page-aligned) down the tree, marking the path as used and splitting the node
+        the match ends inside. Returns the deepest node reached, the matched length and the values
+        of the matched nodes."""
+        now = next(self._clock)
+        node, pos, values = self.root, 0, []
+        node.last_access_time = now
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            # n >= page_size: the child was found by its first page.
+            n = _common_len(child.key, key[pos:pos + len(child.key)])
+            n -= n % self.page_size
+            partial = n < len(child.key)
+            if partial:
+                child = self._split(child, n)  # the unmatched lower part keeps its access time
+            child.last_access_time = now
+            values.append(child.value)
+            node, pos = child, pos + n
+            if partial:
+                break
+        return node, pos, values
+
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        key = key[:len(key) - len(key) % self.page_size]
+        node, _, values = self._walk(key)
+        return MatchResult(torch.cat(values) if values else self._empty, node)
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        if len(key) % self.page_size:
+            raise ValueError(f"key length {len(key)} is not a multiple of page_size {self.page_size}")
+        if len(key) != value.numel():
+            raise ValueError(f"key has {len(key)} tokens but value has {value.numel()} slots")
+        node, pos, _ = self._walk(key)
+        if pos < len(key):
+            # Own copy: callers pass views of req_to_token rows, which are rewritten later.
+            leaf = TreeNode(next(self._ids), node, key[pos:], value[pos:].to(torch.int64).clone(),
+                            node.last_access_time)
+            node.children[self._child_key(key, pos)] = leaf
+            self._evictable += len(leaf.key)
+            if self.on_event is not None:
+                self._emit("insert", leaf, node)
+        return pos
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut child after its first n tokens; the new upper node takes child's place and locks."""
+        parent = child.parent
+        assert parent is not None  # internal: the root is never split
+        upper = TreeNode(next(self._ids), parent, child.key[:n], child.value[:n], child.last_access_time)
+        upper.lock_ref = child.lock_ref
+        parent.children[self._child_key(child.key, 0)] = upper
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        upper.children[self._child_key(child.key, 0)] = child
+        if self.on_event is not None:
+            self._emit("split", upper, parent)
+        return upper
+
+    # ---- requests ----
+
+    @staticmethod
+    def _depth(node: TreeNode) -> int:
+        n = 0
+        while node.parent is not None:
+            n += len(node.key)
+            node = node.parent
+        return n
+
+    def _insert_req(self, req: CacheableReq) -> tuple[torch.Tensor, int]:
+        """Insert the page-aligned part of the request's computed tokens and free the request's own
+        slots that duplicate cached ones. Returns its KV slots (a copy) and the aligned length."""
+        kv_len = req.kv_len
+        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :kv_len].clone()
+        aligned = kv_len - kv_len % self.page_size
+        ids = (req.origin_input_ids + req.output_ids)[:aligned]
+        # Slots [0, shared) are the tree's own (the locked path); the request owns the rest.
+        shared = self._depth(req.last_node)
+        already = self.insert(ids, kv[:aligned])
+        if already > shared:
+            self.allocator.free(kv[shared:already])
+        return kv, aligned
+
+    def cache_finished_req(self, req: CacheableReq) -> None:
+        kv, aligned = self._insert_req(req)
+        self.allocator.free(kv[aligned:])
+        self.req_to_token_pool.free(req.req_pool_idx)
+        self.dec_lock_ref(req.last_node)
+
+    def cache_unfinished_req(self, req: CacheableReq) -> None:
+        kv, aligned = self._insert_req(req)
+        ids = (req.origin_input_ids + req.output_ids)[:aligned]
+        match = self.match_prefix(ids)
+        shared = match.device_indices
+        self.req_to_token_pool.req_to_token[req.req_pool_idx, :shared.numel()] = shared
+        self.inc_lock_ref(match.last_node)
+        self.dec_lock_ref(req.last_node)
+        req.prefix_indices = torch.cat((shared, kv[shared.numel():]))
+        req.last_node = match.last_node
+
+    # ---- locks and sizes ----
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        # lock_ref never decreases towards the root, so checking the start node suffices.
+        if node.parent is not None and node.lock_ref <= 0:
+            raise RuntimeError(f"dec_lock_ref on unlocked node {node.id}")
+        while node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable += len(node.key)
+                self._protected -= len(node.key)
+            node = node.parent
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    # ---- eviction ----
+
+    def evict(self, num_tokens: int) -> int:
+        if num_tokens <= 0 or self._evictable == 0:
+            return 0
+        heap = [n for n in self.nodes() if not n.children and n.lock_ref == 0 and n.parent is not None]
+        heapq.heapify(heap)
+        freed, dead = 0, []
+        while freed < num_tokens and heap:
+            leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None  # internal: the root is never a candidate
+            dead.append(leaf.value)
+            freed += len(leaf.key)
+            del parent.children[self._child_key(leaf.key, 0)]
+            if self.on_event is not None:
+                self._emit("evict", leaf, parent)
+            if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
+                heapq.heappush(heap, parent)
+        if dead:
+            self.allocator.free(torch.cat(dead))
+        self._evictable -= freed
+        return freed
+
+    def reset(self) -> None:
+        if self._protected:
+            raise RuntimeError("reset() while requests hold locks on the cache")
+        values = [n.value for n in self.nodes() if n.parent is not None]
+        if values:
+            self.allocator.free(torch.cat(values))
+        self._new_tree()
+
+    def nodes(self) -> Iterator[TreeNode]:
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())

@@ -1,0 +1,1 @@
+"""Model execution: ForwardBatch and the ModelRunner."""

@@ -1,0 +1,48 @@
+"""ForwardBatch: everything one model forward needs, as tensors. Built by the ModelRunner from a
+ScheduleBatch and passed explicitly down through the model into the attention backend."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from labkit.attention.base import AttentionBackend
+    from labkit.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+
+
+class ForwardMode(IntEnum):
+    EXTEND = 1  # prefill: each request adds extend_seq_len tokens after extend_prefix_len cached ones
+    DECODE = 2  # one new token per request
+    MIXED = 3  # a prefill chunk and running decodes in one forward (decodes are extends of length 1)
+    IDLE = 4  # nothing to run
+
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [bs] int64: rows of req_to_token
+    seq_lens: torch.Tensor  # [bs] int64: length of each sequence after this forward
+    out_cache_loc: torch.Tensor  # [num_tokens] int64: KV slot of each new token
+    seq_lens_cpu: list[int]
+    # Extend / mixed only (for decode: prefix = seq_len - 1, extend = 1).
+    extend_prefix_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: TokenToKVPool
+    attn_backend: AttentionBackend
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -1,0 +1,110 @@
+"""ModelRunner: loads the model, sizes and owns the memory pools, and runs forward + sampling."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from labkit.attention import ATTENTION_BACKENDS, AttentionBackendConfig
+from labkit.config import EngineConfig
+from labkit.mem_cache.allocator import TokenToKVPoolAllocator
+from labkit.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from labkit.model_executor.forward_batch import ForwardBatch
+from labkit.model_loader.loader import load_model
+from labkit.sampling.sampler import Sampler, SamplingBatchInfo
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"unknown dtype {name!r}; choose auto or one of {sorted(dtypes)}")
+    return dtypes[name]
+
+
+def eos_ids_of(hf_config, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return ids
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, tokenizer=None):
+        if config.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        if config.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {config.attention_backend!r}; "
+                             f"choose one of {sorted(ATTENTION_BACKENDS)}")
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.random_seed)
+        self.model, self.hf_config = load_model(config.model_path, config.load_format, self.dtype,
+                                                self.device, seed=config.random_seed)
+        cfg = self.hf_config
+        self.vocab_size = cfg.vocab_size
+        self.context_len = config.context_length or cfg.max_position_embeddings
+        self.eos_token_ids = eos_ids_of(cfg, tokenizer)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.token_to_kv_pool = TokenToKVPool(
+            self._pool_size(cfg, head_dim), config.page_size, self.dtype, cfg.num_hidden_layers,
+            cfg.num_key_value_heads, head_dim, self.device)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.token_to_kv_pool.size, config.page_size, self.device)
+        # +2: the request being chunk-prefilled and one being admitted can hold slots beside the cap.
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 2, self.context_len, self.device)
+        self.attn_backend = ATTENTION_BACKENDS[config.attention_backend](AttentionBackendConfig(
+            num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
+            page_size=config.page_size, max_context_len=self.context_len,
+            max_batch_size=config.max_running_requests, dtype=self.dtype, device=self.device))
+        self.sampler = Sampler()
+
+    def _pool_size(self, cfg, head_dim: int) -> int:
+        page = self.config.page_size
+        if self.config.max_total_tokens is not None:
+            size = self.config.max_total_tokens
+        else:
+            per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * self.dtype.itemsize
+            size = int(self.config.kv_memory_gb * (1 << 30) // per_token)
+        size = size // page * page
+        if size < page:
+            raise ValueError(f"the KV pool must hold at least one page ({page} tokens), got {size}")
+        return size
+
+    def build_forward_batch(self, batch) -> ForwardBatch:
+        def t(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        seq_lens = batch.seq_lens
+        return ForwardBatch(
+            forward_mode=batch.forward_mode, batch_size=len(batch.reqs),
+            input_ids=t(batch.input_ids), positions=t(batch.positions),
+            req_pool_indices=t(batch.req_pool_indices), seq_lens=t(seq_lens),
+            out_cache_loc=batch.out_cache_loc.to(self.device), seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=batch.prefix_lens, extend_seq_lens_cpu=batch.extend_lens,
+            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
+            attn_backend=self.attn_backend,
+        )
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Next-token logits [batch_size, vocab] (float32) for the last token of every request."""
+        self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, reqs):
+        info = SamplingBatchInfo.from_requests(reqs, self.vocab_size, logits.device, self.eos_token_ids)
+        return self.sampler(logits, info)

@@ -1,0 +1,173 @@
+"""Llama-family decoder (SmolLM2, Llama 3), also the base of Qwen2 and Qwen3.
+
+Differences between the three are constructor switches: qkv / o_proj bias and per-head q/k RMSNorm.
+q/k/v and gate/up projections are fused into one matmul each; `load_weights` stacks HF's separate
+weights into them."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+from torch import nn
+
+from labkit.layers import Attention, LogitsProcessor, RMSNorm, RotaryEmbedding, SiluAndMul, get_rope
+from labkit.models.registry import register_model
+
+if TYPE_CHECKING:
+    from labkit.model_executor.forward_batch import ForwardBatch
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, forward_batch))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, qkv_bias, o_bias, qk_norm)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add is fused into the next norm: (norm(h + r), h + r).
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary_emb = get_rope(head_dim_of(config), config)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary_emb, qkv_bias, o_bias, qk_norm)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, forward_batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+# HF name fragment -> (fused labkit parameter fragment, shard index in the fused output dim).
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+@register_model("LlamaForCausalLM")
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over the paged KV cache: `forward` returns float32 logits [bs, vocab] of each
+    request's last new token. Built as `cls(hf_config, dtype)`; call under torch.inference_mode()."""
+
+    qk_norm = False
+
+    @staticmethod
+    def attention_biases(config: Any) -> tuple[bool, bool]:
+        """(q/k/v bias, o_proj bias)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        qkv_bias, o_bias = self.attention_biases(config)
+        self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = (None if self.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.logits_processor = LogitsProcessor()
+        self.to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, forward_batch)
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.logits_processor(hidden, head, forward_batch)
+
+    def _shard(self, name: str) -> tuple[str, int, int]:
+        """Map a HF parameter name to (labkit name, row offset, rows) inside the fused weight."""
+        for frag, (fused, idx) in _STACKED.items():
+            if frag in name:
+                if fused == ".qkv_proj.":
+                    attn = self.model.layers[0].self_attn
+                    sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+                else:
+                    sizes = [self.config.intermediate_size] * 2
+                return name.replace(frag, fused), sum(sizes[:idx]), sizes[idx]
+        return name, 0, -1
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the (fused) parameters; returns the labkit names filled.
+        Fused parameters count as filled once any shard arrives; the loader checks completeness."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.lm_head is None and name == "lm_head.weight"):
+                continue  # rope is recomputed; a tied head has no tensor of its own
+            target, offset, rows = self._shard(name)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in "
+                               f"{type(self).__name__}")
+            param = params[target]
+            dst = param.data if rows < 0 else param.data.narrow(0, offset, rows)
+            if dst.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(target)
+        return loaded

@@ -1,0 +1,142 @@
+"""Per-request sampling parameters (SGLang field names) and their validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# OpenAI caps top_logprobs at 20; more would also make the per-step top-k costly.
+MAX_TOP_LOGPROBS = 20
+
+
+def _is_int(x: object) -> bool:
+    # bool is a subclass of int, but `top_k=True` is a caller mistake, not a number.
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded.
+
+    ``temperature == 0`` or ``top_k == 1`` means greedy. ``top_k == -1`` disables top-k.
+    Call :meth:`normalize` then :meth:`verify` before the request enters the scheduler.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        """Build from a plain dict (the Engine/HTTP form); unknown keys raise ValueError."""
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling params must be a dict, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(map(str, unknown))}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (for serialization across processes)."""
+        return dataclasses.asdict(self)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when decoding is deterministic argmax."""
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def stop_strs(self) -> list[str]:
+        """``stop`` as a list, whether or not :meth:`normalize` has run."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def normalize(self) -> SamplingParams:
+        """Canonicalize in place: ``stop`` becomes a list, ``stop_token_ids`` a list. Returns self."""
+        self.stop = self.stop_strs
+        self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids is not None else []
+        return self
+
+    def verify(self, vocab_size: int) -> None:
+        """Raise ValueError naming the offending field if any value is invalid."""
+        self._verify_types()
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_new_tokens}"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for s in self.stop_strs:
+            if s == "":
+                raise ValueError("stop strings must be non-empty")
+        for t in self.stop_token_ids or []:
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary [0, {vocab_size})")
+        if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}"
+            )
+
+    def _verify_types(self) -> None:
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "top_logprobs_num"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
+        for name in (
+            "temperature", "top_p", "min_p",
+            "frequency_penalty", "presence_penalty", "repetition_penalty",
+        ):
+            v = getattr(self, name)
+            if not _is_number(v) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+        for name in ("ignore_eos", "return_logprob", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.stop is not None:
+            items = [self.stop] if isinstance(self.stop, str) else self.stop
+            if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+                raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is not None:
+            ids = self.stop_token_ids
+            if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+                raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")

@@ -1,0 +1,1 @@
+"""The scheduler: requests, batches, policies and the scheduling loop."""

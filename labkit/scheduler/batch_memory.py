@@ -1,0 +1,79 @@
+"""KV memory for a batch: request slots, KV slots (evicting from the cache when short) and the
+req_to_token rows. The scheduler calls these; the pools and the cache stay the owners of their state."""
+from __future__ import annotations
+
+import torch
+
+from labkit.scheduler.schedule_batch import Req, ScheduleBatch
+
+
+def new_slots_needed(prefix_len: int, seq_len: int, page_size: int) -> int:
+    """KV slots to allocate to grow a request from prefix_len to seq_len tokens (whole pages)."""
+    return (-(-seq_len // page_size) - (-(-prefix_len // page_size))) * page_size
+
+
+def ensure_free(tree_cache, allocator, needed: int) -> bool:
+    short = needed - allocator.available_size()
+    if short > 0:
+        tree_cache.evict(short)
+    return allocator.available_size() >= needed
+
+
+def _last_locs(req_to_token: torch.Tensor, reqs: list[Req], prefix_lens: list[int]) -> list[int]:
+    return [int(req_to_token[r.req_pool_idx, p - 1]) if p > 0 else -1 for r, p in zip(reqs, prefix_lens)]
+
+
+def alloc_for_extend(batch: ScheduleBatch, req_to_token_pool, allocator, tree_cache, page_size: int) -> bool:
+    """Give every request of an EXTEND batch a request slot and KV slots for its new tokens.
+    False (and nothing held by this call) when memory is short."""
+    fresh = [r for r in batch.reqs if r.req_pool_idx is None]
+    slots = req_to_token_pool.alloc(len(fresh))
+    if slots is None:
+        return False
+    table = req_to_token_pool.req_to_token
+    for req, slot in zip(fresh, slots):
+        req.req_pool_idx = slot
+        table[slot, : len(req.prefix_indices)] = req.prefix_indices
+    prefix_lens = [len(r.prefix_indices) for r in batch.reqs]
+    seq_lens = [p + r.extend_input_len for p, r in zip(prefix_lens, batch.reqs)]
+    needed = sum(new_slots_needed(p, s, page_size) for p, s in zip(prefix_lens, seq_lens))
+    out = None
+    if ensure_free(tree_cache, allocator, needed):
+        out = allocator.alloc_extend(prefix_lens, seq_lens, _last_locs(table, batch.reqs, prefix_lens))
+    if out is None:
+        for req in fresh:
+            req_to_token_pool.free(req.req_pool_idx)
+            req.req_pool_idx = None
+        return False
+    offset = 0
+    for req, p, s in zip(batch.reqs, prefix_lens, seq_lens):
+        table[req.req_pool_idx, p:s] = out[offset : offset + s - p]
+        offset += s - p
+        ids = req.all_ids
+        batch.input_ids.extend(ids[p:s])
+        batch.positions.extend(range(p, s))
+    batch.prefix_lens, batch.extend_lens, batch.out_cache_loc = prefix_lens, [s - p for p, s in zip(prefix_lens, seq_lens)], out
+    return True
+
+
+def decode_slots_needed(reqs: list[Req], page_size: int) -> int:
+    """A decoding request needs a new page only when its next token starts one."""
+    return sum(page_size for r in reqs if r.kv_len % page_size == 0)
+
+
+def alloc_for_decode(batch: ScheduleBatch, req_to_token_pool, allocator, tree_cache, page_size: int) -> bool:
+    """One KV slot per decoding request for its last sampled token."""
+    reqs = batch.reqs
+    if not ensure_free(tree_cache, allocator, decode_slots_needed(reqs, page_size)):
+        return False
+    prefix_lens = [r.kv_len for r in reqs]
+    table = req_to_token_pool.req_to_token
+    out = allocator.alloc_decode([p + 1 for p in prefix_lens], _last_locs(table, reqs, prefix_lens))
+    if out is None:
+        return False
+    idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+    table[idx, torch.tensor(prefix_lens, dtype=torch.int64)] = out
+    batch.input_ids = [r.output_ids[-1] for r in reqs]
+    batch.positions = prefix_lens
+    batch.prefix_lens, batch.extend_lens, batch.out_cache_loc = prefix_lens, [1] * len(reqs), out
+    return True

@@ -1,0 +1,144 @@
+"""Req (one request inside the scheduler) and ScheduleBatch (the requests of one step, CPU side).
+
+KV bookkeeping of a Req, the one thing to keep in mind when reading the scheduler:
+all_ids = origin_input_ids + output_ids, and req_to_token[req_pool_idx, :kv_len] holds the KV slots
+of all_ids[:kv_len]. Of those, the first len(prefix_indices) are the prefix the request holds at the
+start of its next extend (shared tree slots first). A decoding request has kv_len == len(all_ids) - 1:
+its last sampled token is the next input.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from labkit.model_executor.forward_batch import ForwardMode
+from labkit.sampling.sampling_params import SamplingParams
+from labkit.tokenizer.detokenizer import find_stop
+
+EMPTY_INDICES = torch.empty((0,), dtype=torch.int64)
+
+
+@dataclass
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # the EOS / stop token id or the stop string
+    message: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, "matched": self.matched, "message": self.message}
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    input_text: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    # Memory (see module docstring)
+    req_pool_idx: int | None = None
+    prefix_indices: torch.Tensor = EMPTY_INDICES
+    last_node: Any = None
+    kv_len: int = 0
+    # This round's extend: all_ids[len(prefix_indices) : len(prefix_indices) + extend_input_len]
+    extend_input_len: int = 0
+    finished_reason: FinishReason | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first scheduling
+    is_chunked: bool = False  # its prompt is being prefilled chunk by chunk, not done yet
+    retract_count: int = 0
+    # Logprobs, when asked for
+    output_token_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # perf_counter timestamps: arrival, first_scheduled, first_token, finished
+    times: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.times.setdefault("arrival", time.perf_counter())
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def init_next_round_input(self, tree_cache) -> None:
+        """Match the cached prefix of what still has to be computed (waiting requests only)."""
+        ids = self.all_ids
+        # Keep at least one token to compute: its logits give the next token.
+        match = tree_cache.match_prefix(ids[: len(ids) - 1])
+        self.prefix_indices, self.last_node = match.device_indices, match.last_node
+        self.extend_input_len = len(ids) - len(self.prefix_indices)
+
+    def reset_for_retract(self) -> None:
+        self.req_pool_idx = None
+        self.prefix_indices = EMPTY_INDICES
+        self.last_node = None
+        self.kv_len = 0
+        self.extend_input_len = 0
+        self.is_chunked = False
+        self.retract_count += 1
+
+    def check_finished(self, eos_token_ids: set[int], tokenizer, max_len: int) -> None:
+        """Finish on max_new_tokens, the context limit, EOS / stop token ids, or a stop string."""
+        if self.finished_reason is not None:
+            return
+        params = self.sampling_params
+        if len(self.output_ids) >= params.min_new_tokens:
+            reason = self._stop_reason(eos_token_ids, tokenizer)
+            if reason is not None:
+                self.finished_reason = FinishReason("stop", reason)
+                return
+        if len(self.output_ids) >= params.max_new_tokens or self.seqlen >= max_len:
+            self.finished_reason = FinishReason("length", len(self.output_ids))
+
+    def _stop_reason(self, eos_token_ids: set[int], tokenizer) -> int | str | None:
+        params = self.sampling_params
+        last = self.output_ids[-1]
+        if params.stop_token_ids and last in params.stop_token_ids:
+            return last
+        if not params.ignore_eos and last in eos_token_ids:
+            return last
+        if params.stop and tokenizer is not None:
+            # Decode just the tail: long enough to hold any stop string plus the newest token.
+            window = max(len(s) for s in params.stop) + 8
+            tail = tokenizer.decode(self.output_ids[-window:], skip_special_tokens=params.skip_special_tokens)
+            found = find_stop(tail, params.stop)  # the same choice the detokenizer makes
+            if found is not None:
+                return found[1]
+        return None
+
+
+@dataclass
+class ScheduleBatch:
+    """The requests of one forward and what each contributes. For MIXED, `reqs` lists the prefill
+    requests first, then the decoding ones."""
+
+    reqs: list[Req]
+    forward_mode: ForwardMode
+    step: int = 0
+    # Filled when memory is allocated for the batch:
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    prefix_lens: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    out_cache_loc: torch.Tensor = EMPTY_INDICES
+    decoding_reqs: list[Req] = field(default_factory=list)  # MIXED: the decodes folded in
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+    @property
+    def req_pool_indices(self) -> list[int]:
+        return [r.req_pool_idx for r in self.reqs]
+
+    def is_empty(self) -> bool:
+        return not self.reqs

@@ -1,0 +1,345 @@
+"""The Scheduler: waiting queue -> prefill / decode batches -> model -> results, one step at a time.
+
+recv_requests/process_input_requests (add_request, abort_request) -> get_next_batch_to_run ->
+run_batch -> process_batch_result. `step()` does one iteration and returns a StepOutput; the
+Engine drives it in-process, the server's scheduler process in its event loop.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from labkit.config import EngineConfig
+from labkit.io_struct import TokenizedGenerateReqInput
+from labkit.mem_cache.chunk_cache import ChunkCache
+from labkit.mem_cache.radix_cache import RadixCache
+from labkit.model_executor.forward_batch import ForwardMode
+from labkit.scheduler.batch_memory import alloc_for_decode, alloc_for_extend, decode_slots_needed
+from labkit.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
+from labkit.scheduler.schedule_policy import PrefillAdder, make_policy
+from labkit.sampling.sampling_params import SamplingParams
+from labkit.trace.events import PoolUsage, Station, StepRecord
+
+INIT_NEW_TOKEN_RATIO = 0.7  # share of max_new_tokens a running request is expected to still need
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.002  # per decode step, back towards the minimum after a retraction
+
+
+@dataclass
+class StepOutput:
+    """What one scheduler iteration did."""
+
+    step: int
+    forward_mode: ForwardMode
+    rids: list[str] = field(default_factory=list)
+    prefix_lens: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    new_token_ids: dict[str, int] = field(default_factory=dict)  # rid -> token sampled this step
+    finished: list[Req] = field(default_factory=list)
+    retracted: list[str] = field(default_factory=list)
+    blocked: dict[str, str] = field(default_factory=dict)  # waiting rid -> what held it back
+    cache_hit_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, model_runner, tokenizer, tracer=None):
+        self.config = config
+        self.model_runner = model_runner
+        self.tokenizer = tokenizer
+        self.tracer = tracer
+        self.page_size = config.page_size
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.allocator = model_runner.token_to_kv_pool_allocator
+        if config.disable_radix_cache:
+            self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
+        else:
+            on_event = tracer.tree if tracer is not None else None
+            self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size, on_event=on_event)
+        self.policy = make_policy(config.schedule_policy, config.random_seed)
+        self.max_req_len = model_runner.context_len
+        self.chunked_prefill_size = config.chunked_prefill_size if config.chunked_prefill_size > 0 else None
+        self.waiting_queue: list[Req] = []
+        self.running: list[Req] = []  # decoding requests
+        self.chunked_req: Req | None = None
+        self.aborted: list[Req] = []  # aborted since the last step, reported by the next one
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness
+        self.step_id = 0
+
+    # ---- input -------------------------------------------------------------------------------
+    def add_request(self, recv: TokenizedGenerateReqInput) -> Req:
+        """Validate and enqueue. Raises ValueError for bad input; the scheduler is unchanged then."""
+        params = SamplingParams.from_dict(recv.sampling_params)
+        params.verify(self.model_runner.vocab_size)
+        params.normalize()
+        n = len(recv.input_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_req_len:
+            raise ValueError(f"the prompt has {n} tokens; the context length is {self.max_req_len}")
+        if n + 1 > self.allocator.size:
+            raise ValueError(f"the prompt has {n} tokens; the KV pool holds {self.allocator.size}")
+        vocab = self.model_runner.vocab_size
+        if min(recv.input_ids) < 0 or max(recv.input_ids) >= vocab:
+            raise ValueError(f"input_ids must be in [0, {vocab})")
+        if self.find_request(recv.rid) is not None:
+            raise ValueError(f"request id {recv.rid!r} is already in use")
+        req = Req(rid=recv.rid, origin_input_ids=list(recv.input_ids), sampling_params=params,
+                  input_text=recv.input_text)
+        if recv.created_time:
+            req.times["arrival"] = recv.created_time
+        self.waiting_queue.append(req)
+        return req
+
+    def find_request(self, rid: str) -> Req | None:
+        live = self.waiting_queue + self.running + ([self.chunked_req] if self.chunked_req else [])
+        return next((r for r in live if r.rid == rid), None)
+
+    def abort_request(self, rid: str) -> bool:
+        """Abort a waiting or running request; its memory is returned at the next step."""
+        req = self.find_request(rid)
+        if req is None or req.finished():
+            return False
+        req.finished_reason = FinishReason("abort", message="aborted")
+        if req in self.waiting_queue:
+            self.waiting_queue.remove(req)
+            if req.req_pool_idx is not None:  # a retracted request holds nothing, but be exact
+                self.tree_cache.cache_finished_req(req)
+            req.times["finished"] = time.perf_counter()
+        self.aborted.append(req)
+        return True
+
+    def _release_aborted(self) -> None:
+        for req in [r for r in self.running if r.finished()]:
+            self.running.remove(req)
+            self._release(req)
+        if self.chunked_req is not None and self.chunked_req.finished():
+            self._release(self.chunked_req)
+            self.chunked_req = None
+
+    def _release(self, req: Req) -> None:
+        self.tree_cache.cache_finished_req(req)
+        req.times["finished"] = time.perf_counter()
+
+    # ---- one iteration -----------------------------------------------------------------------
+    def step(self) -> StepOutput:
+        self.step_id += 1
+        start = time.perf_counter()
+        self._release_aborted()
+        out = StepOutput(step=self.step_id, forward_mode=ForwardMode.IDLE, finished=self.aborted)
+        self.aborted = []
+        batch = self.get_next_batch_to_run(out)
+        if batch is not None:
+            result = self.run_batch(batch)
+            self.process_batch_result(batch, result, out)
+        if self.tracer is not None:
+            self._trace_step(out, start)
+        return out
+
+    def has_work(self) -> bool:
+        return bool(self.waiting_queue or self.running or self.chunked_req or self.aborted)
+
+    def get_next_batch_to_run(self, out: StepOutput) -> ScheduleBatch | None:
+        """Prefill first (new requests get their first token soon), else decode the running ones."""
+        batch = self.get_new_batch_prefill(out)
+        if batch is None and self.running:
+            batch = self.update_running_batch(out)
+        if batch is not None:
+            out.forward_mode = batch.forward_mode
+            out.rids = [r.rid for r in batch.reqs]
+            out.prefix_lens, out.extend_lens = batch.prefix_lens, batch.extend_lens
+        return batch
+
+    def get_new_batch_prefill(self, out: StepOutput) -> ScheduleBatch | None:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        if self.policy.needs_prefix_match:
+            for req in self.waiting_queue:
+                req.init_next_round_input(self.tree_cache)
+        self.policy.sort(self.waiting_queue, self.tree_cache)
+        mixed = self.config.enable_mixed_chunk and bool(self.running)
+        adder = PrefillAdder(
+            self.tree_cache, self.allocator, self.running, self.new_token_ratio,
+            self.config.max_prefill_tokens, self.chunked_prefill_size, self.page_size,
+            mixed_decode_tokens=len(self.running) if mixed else 0,
+        )
+        stopped_at = None
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            req.extend_input_len = req.seqlen - len(req.prefix_indices)
+            if not adder.add_chunked_req(req):
+                stopped_at = req.rid  # memory is short: the chunked request is first in line
+        for req in self.waiting_queue:
+            if stopped_at is not None:
+                adder.blocked[req.rid] = f"queued behind {stopped_at}"
+            elif len(self.running) + len(adder.can_run) >= self.config.max_running_requests:
+                adder.blocked[req.rid] = f"running-request cap ({self.config.max_running_requests})"
+            elif adder.new_chunked_req is not None:
+                adder.blocked[req.rid] = "a request is being chunk-prefilled this step"
+            else:
+                if not self.policy.needs_prefix_match:
+                    req.init_next_round_input(self.tree_cache)
+                if not adder.add_one_req(req):
+                    stopped_at = req.rid
+        out.blocked = adder.blocked
+        if not adder.can_run:
+            return None
+        admitted = set(map(id, adder.can_run))
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        batch = ScheduleBatch(reqs=adder.can_run, forward_mode=ForwardMode.EXTEND, step=self.step_id)
+        if not alloc_for_extend(batch, self.req_to_token_pool, self.allocator, self.tree_cache, self.page_size):
+            raise RuntimeError("KV allocation failed after the PrefillAdder admitted the batch")
+        if self.chunked_req is None or self.chunked_req in adder.can_run:
+            self.chunked_req = adder.new_chunked_req
+        now = time.perf_counter()
+        for req in batch.reqs:
+            if "first_scheduled" not in req.times:
+                req.times["first_scheduled"] = now
+                req.cached_tokens = len(req.prefix_indices)
+                out.cache_hit_tokens += req.cached_tokens
+                if self.tracer is not None:
+                    self.tracer.station(req.rid, Station.ENQUEUE, req.times["arrival"], now,
+                                        prefix_len=len(req.prefix_indices), input_len=len(req.origin_input_ids))
+        if mixed:
+            self._mix_in_decodes(batch)
+        return batch
+
+    def _mix_in_decodes(self, batch: ScheduleBatch) -> None:
+        decode = ScheduleBatch(reqs=list(self.running), forward_mode=ForwardMode.DECODE)
+        if not alloc_for_decode(decode, self.req_to_token_pool, self.allocator, self.tree_cache, self.page_size):
+            return  # no memory for the decodes now: they run (and retract if needed) next step
+        batch.forward_mode = ForwardMode.MIXED
+        batch.decoding_reqs = decode.reqs
+        batch.reqs = batch.reqs + decode.reqs
+        batch.input_ids += decode.input_ids
+        batch.positions += decode.positions
+        batch.prefix_lens = batch.prefix_lens + decode.prefix_lens
+        batch.extend_lens = batch.extend_lens + decode.extend_lens
+        batch.out_cache_loc = torch.cat([batch.out_cache_loc, decode.out_cache_loc])
+
+    def update_running_batch(self, out: StepOutput) -> ScheduleBatch | None:
+        """Decode every running request; retract some first if their next tokens do not fit."""
+        if decode_slots_needed(self.running, self.page_size) > self._reclaimable():
+            out.retracted = self.retract_decode()
+            self.new_token_ratio = INIT_NEW_TOKEN_RATIO * self.config.schedule_conservativeness
+        else:
+            floor = MIN_NEW_TOKEN_RATIO * self.config.schedule_conservativeness
+            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, floor)
+        if not self.running:
+            return None
+        batch = ScheduleBatch(reqs=list(self.running), forward_mode=ForwardMode.DECODE, step=self.step_id)
+        if not alloc_for_decode(batch, self.req_to_token_pool, self.allocator, self.tree_cache, self.page_size):
+            raise RuntimeError("KV allocation failed for decode after retraction")
+        return batch
+
+    def _reclaimable(self) -> int:
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def retract_decode(self) -> list[str]:
+        """Send running requests back to the queue until the rest can decode. The victims are those
+        with the fewest output tokens (least work lost), longest prompts first. Their KV goes into the
+        cache (evictable), so a retracted request that comes back soon finds much of it again."""
+        victims = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
+        retracted: list[Req] = []
+        while decode_slots_needed(victims, self.page_size) > self._reclaimable():
+            req = victims.pop()
+            self.tree_cache.cache_finished_req(req)
+            if not victims:  # even alone it cannot grow: the pool is too small for this request
+                req.finished_reason = FinishReason("length", len(req.output_ids), "KV pool exhausted")
+                req.times["finished"] = time.perf_counter()
+                self.aborted.append(req)
+                break
+            req.reset_for_retract()
+            retracted.append(req)
+        kept = set(map(id, victims))
+        self.running = [r for r in self.running if id(r) in kept]
+        self.waiting_queue = sorted(retracted, key=lambda r: r.times["arrival"]) + self.waiting_queue
+        return [r.rid for r in retracted]
+
+    def run_batch(self, batch: ScheduleBatch):
+        forward_batch = self.model_runner.build_forward_batch(batch)
+        start = time.perf_counter()
+        logits = self.model_runner.forward(forward_batch)
+        mid = time.perf_counter()
+        sample = self.model_runner.sample(logits, batch.reqs)
+        if self.tracer is not None:
+            self._trace_forward(batch, logits, sample, start, mid, time.perf_counter())
+        return sample
+
+    def process_batch_result(self, batch: ScheduleBatch, result, out: StepOutput) -> None:
+        next_ids = result.next_token_ids.tolist()
+        now = time.perf_counter()
+        decoding = set(map(id, batch.reqs if batch.forward_mode.is_decode() else batch.decoding_reqs))
+        for i, req in enumerate(batch.reqs):
+            req.kv_len = batch.prefix_lens[i] + batch.extend_lens[i]
+            if req.is_chunked:  # more prompt to come: keep the chunk's KV, discard the token
+                self.tree_cache.cache_unfinished_req(req)
+                continue
+            req.output_ids.append(next_ids[i])
+            req.times.setdefault("first_token", now)
+            if result.logprobs is not None and req.sampling_params.return_logprob:
+                req.output_token_logprobs.append(float(result.logprobs[i]))
+                if req.sampling_params.top_logprobs_num:
+                    ids, lps = result.top_logprobs[i]
+                    req.output_top_logprobs.append(list(zip(ids, lps)))
+            out.new_token_ids[req.rid] = next_ids[i]
+            req.check_finished(self.model_runner.eos_token_ids, self.tokenizer, self.max_req_len)
+            if req.finished():
+                if id(req) in decoding:
+                    self.running.remove(req)
+                self._release(req)
+                out.finished.append(req)
+            elif id(req) not in decoding:  # prefill done: share the prompt's KV, start decoding
+                self.tree_cache.cache_unfinished_req(req)
+                self.running.append(req)
+
+    # ---- observability -----------------------------------------------------------------------
+    def pool_usage(self) -> PoolUsage:
+        """KV slots by owner, counted independently (a leak shows as a sum that is off)."""
+        p = self.page_size
+        live = self.running + ([self.chunked_req] if self.chunked_req else [])
+        table = self.req_to_token_pool.req_to_token
+        owned: set[int] = set()
+        for req in live:
+            if req.req_pool_idx is not None and req.kv_len:
+                owned.update((table[req.req_pool_idx, : req.kv_len] // p).tolist())
+        tree_pages: set[int] = set()
+        for node in self.tree_cache.nodes():
+            if len(node.value):
+                tree_pages.update((node.value // p).tolist())
+        return PoolUsage(
+            total=self.allocator.size,
+            free=self.allocator.available_size(),
+            evictable=self.tree_cache.evictable_size(),
+            protected=self.tree_cache.protected_size(),
+            request_owned=len(owned - tree_pages) * p,
+        )
+
+    def _trace_forward(self, batch: ScheduleBatch, logits, sample, start: float, mid: float, end: float) -> None:
+        top = torch.topk(logits, k=min(5, logits.shape[-1]), dim=-1)
+        offset = 0
+        loc = batch.out_cache_loc.tolist()
+        for i, req in enumerate(batch.reqs):
+            n = batch.extend_lens[i]
+            sl = slice(offset, offset + n)
+            offset += n
+            self.tracer.station(req.rid, Station.BATCH, start, start, step=self.step_id,
+                                mode=batch.forward_mode.name, batch_size=len(batch.reqs),
+                                prefix_len=batch.prefix_lens[i], extend_len=n)
+            self.tracer.station(req.rid, Station.FORWARD, start, mid, step=self.step_id,
+                                input_ids=batch.input_ids[sl], positions=batch.positions[sl],
+                                out_cache_loc=loc[sl], req_pool_idx=req.req_pool_idx)
+            self.tracer.station(req.rid, Station.SAMPLE, mid, end, step=self.step_id,
+                                token=int(sample.next_token_ids[i]), discarded=req.is_chunked,
+                                top_ids=top.indices[i].tolist(), top_logits=top.values[i].tolist())
+
+    def _trace_step(self, out: StepOutput, start: float) -> None:
+        self.tracer.step(StepRecord(
+            step=out.step, start=start, end=time.perf_counter(), forward_mode=out.forward_mode.name,
+            rids=out.rids, extend_lens=out.extend_lens, prefix_lens=out.prefix_lens,
+            num_tokens=sum(out.extend_lens), cache_hit_tokens=out.cache_hit_tokens,
+            pool=self.pool_usage(), running=len(self.running), waiting=len(self.waiting_queue),
+            chunked_rid=self.chunked_req.rid if self.chunked_req else None,
+            finished=[r.rid for r in out.finished], retracted=out.retracted, blocked=out.blocked,
+        ))

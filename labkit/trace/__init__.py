@@ -1,0 +1,9 @@
+"""Trace hooks: record the ten stations, scheduler steps and radix-tree changes; export to pandas/Perfetto."""
+from labkit.trace.events import PoolUsage, Station, StationEvent, StepRecord, TreeEvent
+from labkit.trace.export import save_perfetto, to_dataframe, to_perfetto
+from labkit.trace.recorder import Tracer, shorten
+
+__all__ = [
+    "PoolUsage", "Station", "StationEvent", "StepRecord", "TreeEvent", "Tracer",
+    "save_perfetto", "shorten", "to_dataframe", "to_perfetto",
+]  # fmt: skip

@@ -1,0 +1,74 @@
+"""Trace record types. Components build them only when a tracer is attached (tracing off costs one
+`is None` check); the Tracer stores them and exports to pandas and Perfetto."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+
+class Station(IntEnum):
+    """The ten stations every request passes (seed 000)."""
+
+    HTTP_RECEIVE = 1
+    PARSE_VALIDATE = 2
+    TOKENIZE = 3
+    ZMQ_SEND = 4
+    ENQUEUE = 5  # waiting queue + radix prefix match
+    BATCH = 6  # picked into a ScheduleBatch
+    FORWARD = 7
+    SAMPLE = 8
+    DETOKENIZE = 9  # incremental detokenization + finish check
+    RESPOND = 10
+
+
+@dataclass
+class StationEvent:
+    rid: str
+    station: Station
+    start: float  # time.perf_counter() seconds
+    end: float
+    step: int | None = None  # scheduler step id, for stations 6-9
+    detail: dict[str, Any] = field(default_factory=dict)  # JSON-able: what entered and left
+
+
+@dataclass
+class PoolUsage:
+    """KV slots by owner. free + evictable + protected + request_owned == total, always."""
+
+    total: int
+    free: int
+    evictable: int  # in the radix tree, no running request uses them
+    protected: int  # in the radix tree, locked by a running request
+    request_owned: int  # held by running requests, not (yet) in the tree
+
+
+@dataclass
+class StepRecord:
+    step: int
+    start: float
+    end: float
+    forward_mode: str  # EXTEND / DECODE / MIXED / IDLE
+    rids: list[str]
+    extend_lens: list[int]  # new tokens per request this step (1 for decodes)
+    prefix_lens: list[int]
+    num_tokens: int
+    cache_hit_tokens: int  # prefix tokens served from the cache for requests first scheduled now
+    pool: PoolUsage
+    running: int
+    waiting: int
+    chunked_rid: str | None = None
+    finished: list[str] = field(default_factory=list)
+    retracted: list[str] = field(default_factory=list)
+    # Per waiting request left in the queue: the limit that held it back (PrefillAdder's verdict).
+    blocked: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class TreeEvent:
+    kind: str  # "insert" | "split" | "evict"
+    time: float
+    node_id: int
+    parent_id: int | None
+    num_tokens: int  # tokens in the node concerned (new node for insert/split, removed for evict)
+    tokens: list[int] = field(default_factory=list)  # the node's key (shortened by the recorder if long)

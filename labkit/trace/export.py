@@ -1,0 +1,165 @@
+"""Exports of a Tracer's records: pandas DataFrames (for tables and labkit.viz) and Chrome/Perfetto
+trace-event JSON (open in https://ui.perfetto.dev or chrome://tracing)."""
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from labkit.trace.recorder import Tracer
+
+Kind = Literal["stations", "steps", "tree"]
+
+STATION_COLUMNS = ["rid", "station", "station_name", "start", "end", "duration", "step", "detail"]
+STEP_COLUMNS = [
+    "step", "start", "end", "duration", "forward_mode", "batch_size", "rids", "extend_lens",
+    "prefix_lens", "num_tokens", "cache_hit_tokens", "pool_total", "pool_free", "pool_evictable",
+    "pool_protected", "pool_request_owned", "running", "waiting", "chunked_rid", "finished",
+    "retracted", "blocked",
+]  # fmt: skip
+TREE_COLUMNS = ["kind", "time", "node_id", "parent_id", "num_tokens", "tokens"]
+POOL_FIELDS = ("free", "evictable", "protected", "request_owned")
+
+# Perfetto process ids: one track group per record type.
+PID_REQUESTS, PID_SCHEDULER = 1, 2
+TID_STEPS, TID_TREE = 1, 2
+
+
+def to_dataframe(tracer: Tracer, kind: Kind = "stations") -> pd.DataFrame:
+    """One row per record of `kind`. Times stay absolute perf_counter seconds (subtract tracer.t0).
+
+    stations: rid, station (int), station_name, start, end, duration, step, detail (the dict), plus one
+        column per scalar detail key (named `detail_<key>` if it collides with a fixed column).
+    steps: StepRecord fields with duration, batch_size and the pool flattened into pool_<field>.
+    tree: TreeEvent fields.
+    """
+    import pandas as pd  # lazy: processes that only record never pay for pandas
+
+    if kind == "stations":
+        rows = []
+        for e in tracer.events:
+            row: dict[str, Any] = {
+                "rid": e.rid, "station": int(e.station), "station_name": e.station.name,
+                "start": e.start, "end": e.end, "duration": e.end - e.start, "step": e.step,
+                "detail": e.detail,
+            }  # fmt: skip
+            for k, v in e.detail.items():
+                if v is None or isinstance(v, (str, int, float, bool)):
+                    row[f"detail_{k}" if k in STATION_COLUMNS else k] = v
+            rows.append(row)
+        df = pd.DataFrame(rows, columns=_with_extra(STATION_COLUMNS, rows))
+        df["step"] = df["step"].astype("Int64")  # nullable: stations 1-5 and 10 have no step
+        return df
+    if kind == "steps":
+        rows = [
+            {
+                "step": s.step, "start": s.start, "end": s.end, "duration": s.end - s.start,
+                "forward_mode": s.forward_mode, "batch_size": len(s.rids), "rids": s.rids,
+                "extend_lens": s.extend_lens, "prefix_lens": s.prefix_lens, "num_tokens": s.num_tokens,
+                "cache_hit_tokens": s.cache_hit_tokens, "pool_total": s.pool.total,
+                **{f"pool_{f}": getattr(s.pool, f) for f in POOL_FIELDS},
+                "running": s.running, "waiting": s.waiting, "chunked_rid": s.chunked_rid,
+                "finished": s.finished, "retracted": s.retracted, "blocked": s.blocked,
+            }  # fmt: skip
+            for s in tracer.steps
+        ]
+        return pd.DataFrame(rows, columns=STEP_COLUMNS)
+    if kind == "tree":
+        rows = [{c: getattr(t, c) for c in TREE_COLUMNS} for t in tracer.tree_events]
+        df = pd.DataFrame(rows, columns=TREE_COLUMNS)
+        df["parent_id"] = df["parent_id"].astype("Int64")  # the root has no parent
+        return df
+    raise ValueError(f"kind must be 'stations', 'steps' or 'tree', not {kind!r}")
+
+
+def _with_extra(columns: list[str], rows: list[dict[str, Any]]) -> list[str]:
+    """`columns` followed by any other keys of `rows`, in first-seen order."""
+    extra = dict.fromkeys(k for r in rows for k in r if k not in columns)
+    return columns + list(extra)
+
+
+def to_perfetto(tracer: Tracer) -> dict[str, Any]:
+    """Chrome trace-event JSON of the run, times in microseconds from tracer.t0.
+
+    Process "requests": one thread per rid, a complete ("X") event per station visit.
+    Process "scheduler": thread "steps" with an "X" event per step (named by forward mode), thread
+    "radix tree" with instant ("i") events for insert/split/evict, and counters ("C") "kv_pool"
+    (free/evictable/protected/request_owned) and "queue" (running/waiting) per step.
+    """
+    t0 = tracer.t0 or 0.0
+
+    def us(t: float) -> float:
+        return round((t - t0) * 1e6, 3)
+
+    def meta(name: str, pid: int, tid: int | None, value: str) -> dict[str, Any]:
+        ev = {"name": name, "ph": "M", "pid": pid, "args": {"name": value}}
+        return ev if tid is None else {**ev, "tid": tid}
+
+    out = [
+        meta("process_name", PID_REQUESTS, None, "requests"),
+        meta("process_name", PID_SCHEDULER, None, "scheduler"),
+        meta("thread_name", PID_SCHEDULER, TID_STEPS, "steps"),
+        meta("thread_name", PID_SCHEDULER, TID_TREE, "radix tree"),
+    ]
+    tids: dict[str, int] = {}
+    for e in tracer.events:
+        if e.rid not in tids:
+            tids[e.rid] = len(tids) + 1
+            out.append(meta("thread_name", PID_REQUESTS, tids[e.rid], e.rid))
+        args = {"rid": e.rid, "step": e.step, **e.detail}
+        out.append({
+            "name": f"{int(e.station)} {e.station.name.lower()}", "cat": "station", "ph": "X",
+            "ts": us(e.start), "dur": max(0.0, us(e.end) - us(e.start)),
+            "pid": PID_REQUESTS, "tid": tids[e.rid], "args": _jsonable(args),
+        })  # fmt: skip
+    for s in tracer.steps:
+        pool = {f: getattr(s.pool, f) for f in POOL_FIELDS}
+        args = {
+            "step": s.step, "rids": s.rids, "extend_lens": s.extend_lens, "prefix_lens": s.prefix_lens,
+            "num_tokens": s.num_tokens, "cache_hit_tokens": s.cache_hit_tokens,
+            "pool": {"total": s.pool.total, **pool}, "running": s.running, "waiting": s.waiting,
+            "chunked_rid": s.chunked_rid, "finished": s.finished, "retracted": s.retracted,
+            "blocked": s.blocked,
+        }  # fmt: skip
+        out.append({
+            "name": s.forward_mode, "cat": "step", "ph": "X", "ts": us(s.start),
+            "dur": max(0.0, us(s.end) - us(s.start)), "pid": PID_SCHEDULER, "tid": TID_STEPS,
+            "args": _jsonable(args),
+        })  # fmt: skip
+        # Counters at the step's end: the pool as the step left it.
+        for name, values in (("kv_pool", pool), ("queue", {"running": s.running, "waiting": s.waiting})):
+            out.append({"name": name, "ph": "C", "ts": us(s.end), "pid": PID_SCHEDULER, "args": values})
+    for t in tracer.tree_events:
+        out.append({
+            "name": f"tree {t.kind}", "cat": "tree", "ph": "i", "s": "t", "ts": us(t.time),
+            "pid": PID_SCHEDULER, "tid": TID_TREE,
+            "args": _jsonable({"node_id": t.node_id, "parent_id": t.parent_id,
+                               "num_tokens": t.num_tokens, "tokens": t.tokens}),
+        })  # fmt: skip
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def save_perfetto(tracer: Tracer, path: str | Path) -> Path:
+    """Write to_perfetto(tracer) as JSON to `path`; returns the path."""
+    path = Path(path)
+    path.write_text(json.dumps(to_perfetto(tracer)))
+    return path
+
+
+def _jsonable(value: Any) -> Any:
+    """Details are meant to be JSON-able; coerce stragglers (enums, numpy, torch) so export never fails."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Enum):
+        return value.name
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if hasattr(value, "tolist"):  # numpy arrays/scalars, torch tensors
+        return _jsonable(value.tolist())
+    return str(value)
