@@ -35,9 +35,10 @@ def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 class _PaddedGroup:
     """Requests with exactly one new token, attended in one batched call."""
 
-    rows: torch.Tensor | None  # [n] token rows in the flat batch; None = all rows in order
+    rows: torch.Tensor  # [n] token rows in the flat batch
     kv_indices: torch.Tensor  # [n, max_len] KV slots of the prefix; 0 (reserved slot) beyond it
     new_pos: torch.Tensor  # [n] column where this forward's token goes (= seq_len - 1)
+    batch: torch.Tensor  # [n] arange, to place each request's new token
     mask: torch.Tensor  # [n, 1, 1, max_len] bool, True = attend
 
 
@@ -53,8 +54,14 @@ class _ExtendReq:
 
 @dataclass
 class _Metadata:
-    padded: _PaddedGroup | None
+    padded: list[_PaddedGroup]  # one-token requests, in groups of similar length
     extends: list[_ExtendReq]
+
+
+# One-token requests are sorted by length and split into up to this many groups, each padded only to
+# its own longest sequence: less KV to gather and attend than padding all to the longest one.
+MAX_PADDED_GROUPS = 4
+MIN_GROUP_SIZE = 8
 
 
 @register_attention_backend("torch_native")
@@ -69,39 +76,44 @@ class TorchNativeAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
         req_to_token = fb.req_to_token_pool.req_to_token
-        if fb.forward_mode.is_decode():
-            self.metadata = _Metadata(
-                self._padded_group(req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, None), [])
-            return
+        pool_idx_cpu = fb.req_pool_indices.tolist()
         single: list[int] = []  # batch indices of one-token requests
         single_rows: list[int] = []  # and their token rows
         extends: list[_ExtendReq] = []
+        if fb.forward_mode.is_decode():
+            prefix_lens, extend_lens = [n - 1 for n in fb.seq_lens_cpu], [1] * fb.batch_size
+        else:
+            prefix_lens, extend_lens = fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu
         start = 0
-        pool_idx_cpu = fb.req_pool_indices.tolist()
-        for i, (prefix, n) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
-            if n == 1 and prefix > 0:
+        for i, (prefix, n) in enumerate(zip(prefix_lens, extend_lens)):
+            if n == 1:
                 single.append(i)
                 single_rows.append(start)
             else:
                 extends.append(self._extend_req(req_to_token, pool_idx_cpu[i], start, prefix, n))
             start += n
-        padded = None
-        if single:
-            rows = torch.tensor(single_rows, dtype=torch.int64, device=self.device)
-            sel = torch.tensor(single, dtype=torch.int64, device=self.device)
-            seq_lens = [fb.extend_prefix_lens_cpu[i] + 1 for i in single]
-            padded = self._padded_group(req_to_token, fb.req_pool_indices[sel], seq_lens, rows)
+        seq_lens = [prefix_lens[i] + 1 for i in single]
+        order = sorted(range(len(single)), key=seq_lens.__getitem__)
+        size = max(MIN_GROUP_SIZE, -(-len(order) // MAX_PADDED_GROUPS))
+        padded = [
+            self._padded_group(req_to_token, [pool_idx_cpu[single[j]] for j in part],
+                               [seq_lens[j] for j in part], [single_rows[j] for j in part])
+            for part in (order[g:g + size] for g in range(0, len(order), size))
+        ]
         self.metadata = _Metadata(padded, extends)
 
-    def _padded_group(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                      seq_lens_cpu: list[int], rows: torch.Tensor | None) -> _PaddedGroup:
+    def _padded_group(self, req_to_token: torch.Tensor, pool_idx: list[int],
+                      seq_lens_cpu: list[int], rows: list[int]) -> _PaddedGroup:
         max_len = max(seq_lens_cpu)
         seq_lens = torch.tensor(seq_lens_cpu, dtype=torch.int64, device=self.device)
         cols = torch.arange(max_len, device=self.device)
         in_prefix = cols[None, :] < (seq_lens - 1)[:, None]
-        kv_indices = req_to_token[req_pool_indices, :max_len].masked_fill(~in_prefix, 0)
+        pool_idx_t = torch.tensor(pool_idx, dtype=torch.int64, device=self.device)
+        kv_indices = req_to_token[pool_idx_t, :max_len].masked_fill(~in_prefix, 0)
         mask = (cols[None, :] < seq_lens[:, None])[:, None, None, :]
-        return _PaddedGroup(rows, kv_indices, seq_lens - 1, mask)
+        return _PaddedGroup(rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
+                            kv_indices=kv_indices, new_pos=seq_lens - 1, mask=mask,
+                            batch=torch.arange(len(seq_lens_cpu), device=self.device))
 
     def _extend_req(self, req_to_token: torch.Tensor, pool_idx: int, start: int,
                     prefix: int, n: int) -> _ExtendReq:
@@ -116,8 +128,9 @@ class TorchNativeAttnBackend(AttentionBackend):
                        save_kv_cache: bool = True) -> torch.Tensor:
         if save_kv_cache:
             forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        assert self.metadata is not None and self.metadata.padded is not None
-        return self._attend_padded(q, k, v, layer, forward_batch, self.metadata.padded)
+        out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
+        self._attend_groups(q, k, v, layer, forward_batch, out)
+        return out
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: AttentionLayerSpec, forward_batch: ForwardBatch,
@@ -129,35 +142,35 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
         pool = forward_batch.token_to_kv_pool
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        group = layer.num_heads // layer.num_kv_heads
         for r in md.extends:
             ki, vi = k[r.start:r.end], v[r.start:r.end]
             if r.prefix_indices is not None:
                 ki = torch.cat([_gather(k_buf, r.prefix_indices).to(q.dtype), ki])
                 vi = torch.cat([_gather(v_buf, r.prefix_indices).to(q.dtype), vi])
-            # [H, len, D] layout; GQA by repeating KV heads (cheap next to the attention itself).
-            ki = ki.transpose(0, 1).repeat_interleave(group, dim=0)
-            vi = vi.transpose(0, 1).repeat_interleave(group, dim=0)
+            # [1, H, len, D]: 4-D inputs take the flash kernel on CPU (3-D falls back to the math
+            # path, ~2.7x slower); enable_gqa maps query heads to KV heads without copying KV.
             o = F.scaled_dot_product_attention(
-                q[r.start:r.end].transpose(0, 1), ki, vi, attn_mask=r.mask,
-                is_causal=r.mask is None, scale=layer.scaling)
-            out[r.start:r.end] = o.transpose(0, 1).reshape(r.end - r.start, -1)
-        if md.padded is not None:
-            rows = md.padded.rows
-            out[rows] = self._attend_padded(q[rows], k[rows], v[rows], layer, forward_batch, md.padded)
+                q[r.start:r.end].transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None],
+                attn_mask=r.mask, is_causal=r.mask is None, scale=layer.scaling, enable_gqa=True)
+            out[r.start:r.end] = o[0].transpose(0, 1).reshape(r.end - r.start, -1)
+        self._attend_groups(q, k, v, layer, forward_batch, out)
         return out
+
+    def _attend_groups(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+                       forward_batch: ForwardBatch, out: torch.Tensor) -> None:
+        for g in self.metadata.padded:
+            out[g.rows] = self._attend_padded(q[g.rows], k[g.rows], v[g.rows], layer, forward_batch, g)
 
     def _attend_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: AttentionLayerSpec, forward_batch: ForwardBatch,
                        g: _PaddedGroup) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
         n = q.shape[0]
-        batch = torch.arange(n, device=q.device)
         # Prefix from the pool, this forward's token from the arguments (so save_kv_cache=False works).
         keys = _gather(pool.get_key_buffer(layer.layer_id), g.kv_indices).to(q.dtype)  # [n, L, H_kv, D]
         vals = _gather(pool.get_value_buffer(layer.layer_id), g.kv_indices).to(q.dtype)
-        keys[batch, g.new_pos] = k
-        vals[batch, g.new_pos] = v
+        keys[g.batch, g.new_pos] = k
+        vals[g.batch, g.new_pos] = v
         # GQA without copying KV: the G query heads sharing a KV head act as G "query rows".
         group = layer.num_heads // layer.num_kv_heads
         qg = q.view(n, layer.num_kv_heads, group, layer.head_dim)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -21,8 +22,8 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
+        if x.dtype == torch.float32:  # one fused kernel
+            out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        else:  # as Hugging Face: normalize in float32, cast back, then scale
+            out = self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
         return out if residual is None else (out, residual)
