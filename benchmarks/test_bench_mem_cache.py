@@ -14,15 +14,6 @@ pytestmark = pytest.mark.microbench
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Single-threaded torch: these ops are small, and on a shared CPU box intra-op threads that
-    wait for a busy core turn microseconds into ~12 ms scheduler slices."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 SYSTEM, SUFFIXES, SYS_LEN, SUFFIX_LEN = 100, 100, 208, 96  # 10,000 cached sequences of 304 tokens
 

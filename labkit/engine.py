@@ -45,7 +45,6 @@ class EngineStep:
 class _ReqState:
     detokenizer: IncrementalDetokenizer | None
     times: dict[str, float] = field(default_factory=dict)
-    text: str = ""
 
 
 class Engine:

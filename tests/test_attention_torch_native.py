@@ -12,14 +12,6 @@ from labkit.model_executor.forward_batch import ForwardMode
 LAYER = 1  # not 0, so a layer-index mix-up shows
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny tensors: intra-op threads only add sync overhead (dramatic on a busy 2-core machine)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
     """q [n, H, D] at positions prefix..prefix+n-1; k, v [prefix+n, H_kv, D]; float64 dense."""

@@ -12,14 +12,6 @@ from labkit.model_loader import embedded as embedded_mod
 from labkit.models.registry import get_model_class
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Small CPU models: intra-op threads mostly add sync overhead (10x on a busy 2-core machine)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
 
 @pytest.mark.slow
 def test_embedded_matches_transformers(embedded_dir, hf_model, hf_tokenizer, paged_kv_harness):

@@ -17,14 +17,6 @@ CASES = [  # (data config, tie_word_embeddings, rope override)
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny tensors: intra-op threads only add sync overhead (dramatic on a busy 2-core machine)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
 
 def _hf_checkpoint(name: str, tie: bool, rope: dict | None, path) -> torch.nn.Module:
     config = load_config(name)

@@ -31,6 +31,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtypes[name]
 
 
+def use_column_major_linears(model: torch.nn.Module) -> None:
+    """Store each decoder nn.Linear weight column-major: same [out, in] shape and values, but the
+    memory is [in, out], so F.linear runs MKL's non-transposed product. On CPU that made a
+    SmolLM2 decode forward at batch 1 64.4 -> 55.7 ms and is neutral at batch 32 and in prefill
+    (same-process A/B). The lm_head stays row-major: its 49152-wide product is slower this way
+    from batch 4 up."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            module.weight.data = module.weight.data.t().contiguous().t()
+
+
 def eos_ids_of(hf_config, tokenizer) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
@@ -54,6 +65,8 @@ class ModelRunner:
         torch.manual_seed(config.random_seed)
         self.model, self.hf_config = load_model(config.model_path, config.load_format, self.dtype,
                                                 self.device, seed=config.random_seed)
+        if self.device.type == "cpu":
+            use_column_major_linears(self.model)
         cfg = self.hf_config
         self.vocab_size = cfg.vocab_size
         self.context_len = config.context_length or cfg.max_position_embeddings
