@@ -57,7 +57,7 @@ class Engine:
         self.tracer = Tracer() if self.config.enable_trace else None
         model_dir = resolve_model_dir(self.config.model_path) if self.config.load_format != "dummy" else None
         self.tokenizer = load_tokenizer(model_dir) if model_dir is not None else None
-        self.model_runner = ModelRunner(self.config, self.tokenizer)
+        self.model_runner = ModelRunner(self.config, self.tokenizer, model_dir)
         self.scheduler = Scheduler(self.config, self.model_runner, self.tokenizer, self.tracer)
         self._states: dict[str, _ReqState] = {}
         self.results: dict[str, dict[str, Any]] = {}  # finished requests of step-wise use, by rid

@@ -57,3 +57,21 @@ def test_cuda_defaults_to_bfloat16_and_serves_with_cache():
     assert all(o["meta_info"]["cached_tokens"] >= 32 for o in again)  # whole pages of the prompt
     engine.flush_cache()
     assert engine.allocator.available_size() == engine.allocator.size
+
+
+def test_generation_config_eos_ids_stop_generation(checkpoint):
+    """An id listed only in generation_config.json (as Llama-3-Instruct's end of turn) stops a request."""
+    params = {"temperature": 0, "max_new_tokens": 8}
+    free = Engine(model_path=str(checkpoint), max_total_tokens=1024).generate(input_ids=PROMPTS[1], sampling_params=params)
+    stop_at = free["output_ids"][3]
+    gen_config = checkpoint / "generation_config.json"
+    saved = gen_config.read_text()
+    gen_config.write_text(f'{{"eos_token_id": [{stop_at}]}}')
+    try:
+        out = Engine(model_path=str(checkpoint), max_total_tokens=1024).generate(input_ids=PROMPTS[1],
+                                                                                  sampling_params=params)
+    finally:
+        gen_config.write_text(saved)
+    cut = free["output_ids"].index(stop_at) + 1
+    assert out["output_ids"] == free["output_ids"][:cut]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at, "message": None}

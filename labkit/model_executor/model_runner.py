@@ -1,7 +1,8 @@
 """ModelRunner: loads the model, sizes and owns the memory pools, and runs forward + sampling."""
 from __future__ import annotations
 
-import logging
+import json
+from pathlib import Path
 
 import torch
 
@@ -12,8 +13,6 @@ from labkit.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from labkit.model_executor.forward_batch import ForwardBatch
 from labkit.model_loader.loader import load_model
 from labkit.sampling.sampler import Sampler, SamplingBatchInfo
-
-logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -42,9 +41,15 @@ def use_column_major_linears(model: torch.nn.Module) -> None:
             module.weight.data = module.weight.data.t().contiguous().t()
 
 
-def eos_ids_of(hf_config, tokenizer) -> set[int]:
+def eos_ids_of(hf_config, tokenizer, model_dir: Path | None) -> set[int]:
+    """EOS ids from the config, the tokenizer and generation_config.json (where instruct models such
+    as Llama-3 list their end-of-turn token)."""
+    sources = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    gen_config = model_dir / "generation_config.json" if model_dir is not None else None
+    if gen_config is not None and gen_config.is_file():
+        sources.append(json.loads(gen_config.read_text()).get("eos_token_id"))
     ids: set[int] = set()
-    for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+    for source in sources:
         if isinstance(source, int):
             ids.add(source)
         elif source:
@@ -53,7 +58,7 @@ def eos_ids_of(hf_config, tokenizer) -> set[int]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tokenizer=None):
+    def __init__(self, config: EngineConfig, tokenizer=None, model_dir: Path | None = None):
         if config.page_size < 1:
             raise ValueError("page_size must be >= 1")
         if config.attention_backend not in ATTENTION_BACKENDS:
@@ -70,7 +75,7 @@ class ModelRunner:
         cfg = self.hf_config
         self.vocab_size = cfg.vocab_size
         self.context_len = config.context_length or cfg.max_position_embeddings
-        self.eos_token_ids = eos_ids_of(cfg, tokenizer)
+        self.eos_token_ids = eos_ids_of(cfg, tokenizer, model_dir)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.token_to_kv_pool = TokenToKVPool(
             self._pool_size(cfg, head_dim), config.page_size, self.dtype, cfg.num_hidden_layers,
