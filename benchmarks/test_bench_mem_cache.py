@@ -12,9 +12,6 @@ from labkit.mem_cache import RadixCache, ReqToTokenPool, TokenToKVPoolAllocator
 
 pytestmark = pytest.mark.microbench
 
-
-
-
 SYSTEM, SUFFIXES, SYS_LEN, SUFFIX_LEN = 100, 100, 208, 96  # 10,000 cached sequences of 304 tokens
 
 

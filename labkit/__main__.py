@@ -12,7 +12,8 @@ def main() -> None:
     out = engine.generate(messages=[{"role": "user", "content": question}],
                           sampling_params={"temperature": 0, "max_new_tokens": 48})
     meta = out["meta_info"]
-    print(f"labkit demo ({engine.model_runner.device}, {engine.model_runner.dtype}, model loaded in {loaded - start:.1f}s): {question!r} -> "
+    runner = engine.model_runner
+    print(f"labkit demo ({runner.device}, {runner.dtype}, model loaded in {loaded - start:.1f}s): {question!r} -> "
           f"{out['text']!r} [{meta['completion_tokens']} tokens, {meta['e2e_latency']:.2f}s, "
           f"finish={meta['finish_reason']['type']}]")
 

@@ -62,7 +62,8 @@ def test_cuda_defaults_to_bfloat16_and_serves_with_cache():
 def test_generation_config_eos_ids_stop_generation(checkpoint):
     """An id listed only in generation_config.json (as Llama-3-Instruct's end of turn) stops a request."""
     params = {"temperature": 0, "max_new_tokens": 8}
-    free = Engine(model_path=str(checkpoint), max_total_tokens=1024).generate(input_ids=PROMPTS[1], sampling_params=params)
+    free = Engine(model_path=str(checkpoint), max_total_tokens=1024).generate(input_ids=PROMPTS[1],
+                                                                               sampling_params=params)
     stop_at = free["output_ids"][3]
     gen_config = checkpoint / "generation_config.json"
     saved = gen_config.read_text()

@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     print(f"{'system':32} {'seconds':>8} {'out tok/s':>10} {'batch-1 ms/token':>17}")
     for r in results:
         print(f"{r.system:32} {r.seconds:8.2f} {r.output_throughput:10.1f} {r.batch1_ms_per_token:17.2f}")
-    print(f"throughput ratio labkit / transformers: {results[0].output_throughput / results[1].output_throughput:.2f}x; "
+    ratio = results[0].output_throughput / results[1].output_throughput
+    print(f"throughput ratio labkit / transformers: {ratio:.2f}x; "
           f"batch-1 per-token ratio transformers / labkit: {hf_tok / lab_tok:.2f}x")
     if args.json:
         with open(args.json, "w") as f:

@@ -33,9 +33,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def use_column_major_linears(model: torch.nn.Module) -> None:
     """Store each decoder nn.Linear weight column-major: same [out, in] shape and values, but the
     memory is [in, out], so F.linear runs MKL's non-transposed product. On CPU that made a
-    SmolLM2 decode forward at batch 1 64.4 -> 55.7 ms and is neutral at batch 32 and in prefill
-    (same-process A/B). The lm_head stays row-major: its 49152-wide product is slower this way
-    from batch 4 up."""
+    SmolLM2 decode forward at batch 1 64.4 -> 55.7 ms (same-process A/B); at batch 32 two A/Bs gave
+    -2% and +5% (noise), and a 2048-row product alone is unchanged. The lm_head stays row-major:
+    its 49152-wide product is slower this way from batch 4 up."""
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
             module.weight.data = module.weight.data.t().contiguous().t()
@@ -80,7 +80,8 @@ class ModelRunner:
         self.token_to_kv_pool = TokenToKVPool(
             self._pool_size(cfg, head_dim), config.page_size, self.dtype, cfg.num_hidden_layers,
             cfg.num_key_value_heads, head_dim, self.device)
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.token_to_kv_pool.size, config.page_size, self.device)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
+            self.token_to_kv_pool.size, config.page_size, self.device)
         # +2: the request being chunk-prefilled and one being admitted can hold slots beside the cap.
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 2, self.context_len, self.device)
         self.attn_backend = ATTENTION_BACKENDS[config.attention_backend](AttentionBackendConfig(

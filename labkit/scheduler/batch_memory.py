@@ -52,7 +52,8 @@ def alloc_for_extend(batch: ScheduleBatch, req_to_token_pool, allocator, tree_ca
         ids = req.all_ids
         batch.input_ids.extend(ids[p:s])
         batch.positions.extend(range(p, s))
-    batch.prefix_lens, batch.extend_lens, batch.out_cache_loc = prefix_lens, [s - p for p, s in zip(prefix_lens, seq_lens)], out
+    batch.prefix_lens, batch.out_cache_loc = prefix_lens, out
+    batch.extend_lens = [s - p for p, s in zip(prefix_lens, seq_lens)]
     return True
 
 
