@@ -17,6 +17,7 @@ from labkit.sampling.sampling_params import SamplingParams
 from labkit.scheduler.schedule_batch import Req
 from labkit.scheduler.scheduler import Scheduler, StepOutput
 from labkit.tokenizer.detokenizer import IncrementalDetokenizer
+from labkit.tokenizer.prompt import apply_chat_template, encode_prompt
 from labkit.trace.events import PoolUsage, Station
 from labkit.trace.recorder import Tracer
 
@@ -41,6 +42,14 @@ class EngineStep:
     waiting: int
 
 
+def build_scheduler(config: EngineConfig, tracer: Tracer | None = None) -> Scheduler:
+    """Load the tokenizer and model, size the pools, and wire ModelRunner into a Scheduler. The
+    Engine and the server's scheduler process both start here."""
+    model_dir = resolve_model_dir(config.model_path) if config.load_format != "dummy" else None
+    tokenizer = load_tokenizer(model_dir) if model_dir is not None else None
+    return Scheduler(config, ModelRunner(config, tokenizer, model_dir), tokenizer, tracer)
+
+
 @dataclass
 class _ReqState:
     detokenizer: IncrementalDetokenizer | None
@@ -55,10 +64,9 @@ class Engine:
             raise ValueError(f"unknown engine option(s): {sorted(unknown)}")
         self.config = dataclasses.replace(config, **overrides)
         self.tracer = Tracer() if self.config.enable_trace else None
-        model_dir = resolve_model_dir(self.config.model_path) if self.config.load_format != "dummy" else None
-        self.tokenizer = load_tokenizer(model_dir) if model_dir is not None else None
-        self.model_runner = ModelRunner(self.config, self.tokenizer, model_dir)
-        self.scheduler = Scheduler(self.config, self.model_runner, self.tokenizer, self.tracer)
+        self.scheduler = build_scheduler(self.config, self.tracer)
+        self.tokenizer = self.scheduler.tokenizer
+        self.model_runner = self.scheduler.model_runner
         self._states: dict[str, _ReqState] = {}
         self.results: dict[str, dict[str, Any]] = {}  # finished requests of step-wise use, by rid
         self._rid_counter = itertools.count()
@@ -113,35 +121,13 @@ class Engine:
         return tokenized.rid
 
     def _tokenize(self, req: GenerateReqInput) -> TokenizedGenerateReqInput:
-        given = [x is not None for x in (req.text, req.input_ids, req.messages)]
-        if sum(given) != 1:
-            raise ValueError("give exactly one of prompt (text), input_ids or messages")
-        text = req.text
-        if req.input_ids is not None:
-            if not isinstance(req.input_ids, list) or not all(isinstance(t, int) for t in req.input_ids):
-                raise ValueError("input_ids must be a list of ints")
-            ids = list(req.input_ids)
-        else:
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer (dummy weights): pass input_ids")
-            if req.messages is not None:
-                text = self.apply_chat_template(req.messages)
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            else:
-                if not isinstance(text, str):
-                    raise ValueError("prompt must be a string")
-                ids = self.tokenizer(text)["input_ids"]
+        text, ids = encode_prompt(self.tokenizer, req.text, req.input_ids, req.messages)
         rid = req.rid if req.rid is not None else f"req-{next(self._rid_counter)}"
         return TokenizedGenerateReqInput(rid=rid, input_text=text, input_ids=ids,
                                          sampling_params=req.sampling_params, created_time=time.perf_counter())
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                      for m in messages):
-            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return apply_chat_template(self.tokenizer, messages)
 
     def abort(self, rid: str) -> bool:
         return self.scheduler.abort_request(rid)

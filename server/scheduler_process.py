@@ -1,0 +1,149 @@
+"""The scheduler process: the engine's own Scheduler + ModelRunner behind ZMQ (stations 5-8).
+
+Its event loop: receive requests (blocking only when idle), add/abort them, run one scheduler step,
+send the step's tokens to the detokenizer. Control requests (get_info, flush_cache) are answered
+straight to the TokenizerManager between steps."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import traceback
+from multiprocessing.connection import Connection
+
+import msgspec
+import zmq
+
+from labkit.engine import build_scheduler
+from labkit.io_struct import (AbortReq, BatchTokenIDOutput, ControlOutput, ControlReq, DetokenizeParams,
+                              ReqOutput, TokenizedGenerateReqInput, ToScheduler, TraceChunk)
+from labkit.scheduler.scheduler import Scheduler, StepOutput
+from labkit.server.ipc import ENCODER, PortArgs, init_child, parent_alive, pull_socket, push_socket
+from labkit.server.server_args import ServerArgs
+from labkit.trace.recorder import Tracer
+
+logger = logging.getLogger(__name__)
+IDLE_POLL_MS = 500  # how often an idle scheduler checks that the main process is still there
+
+
+def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready: Connection, parent_pid: int) -> None:
+    init_child("scheduler", args.log_level)
+    try:
+        tracer = Tracer() if args.engine.enable_trace else None
+        scheduler = build_scheduler(args.engine, tracer)
+        loop = SchedulerLoop(scheduler, ports, parent_pid)
+    except Exception as e:  # report why start-up failed, then exit
+        traceback.print_exc()
+        ready.send({"error": f"{type(e).__name__}: {e}"})
+        return
+    ready.send({"info": loop.info()})
+    loop.run()
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Scheduler, ports: PortArgs, parent_pid: int):
+        self.scheduler = scheduler
+        self.parent_pid = parent_pid
+        ctx = zmq.Context()
+        self.recv_from_tokenizer = pull_socket(ctx, ports.scheduler_ipc)
+        self.send_to_detokenizer = push_socket(ctx, ports.detokenizer_ipc)
+        self.send_to_tokenizer = push_socket(ctx, ports.tokenizer_ipc)
+        self.decoder = msgspec.msgpack.Decoder(ToScheduler)
+        self.announced: set[str] = set()  # rids whose DetokenizeParams the detokenizer has had
+
+    def info(self) -> dict:
+        """Static facts the TokenizerManager needs (limits for validation) and reports."""
+        s, runner = self.scheduler, self.scheduler.model_runner
+        return {"limits": dataclasses.asdict(s.limits), "page_size": s.page_size,
+                "device": str(runner.device), "dtype": str(runner.dtype).replace("torch.", ""),
+                "req_slots": runner.req_to_token_pool.size, "pid": os.getpid()}
+
+    def run(self) -> None:
+        while parent_alive(self.parent_pid):
+            for msg in self.recv_requests():
+                self.process_input_request(msg)
+            if self.scheduler.has_work():
+                self.send_outputs(self.scheduler.step())
+        logger.info("main process gone; scheduler exits")
+
+    def recv_requests(self) -> list:
+        timeout = 0 if self.scheduler.has_work() else IDLE_POLL_MS
+        msgs = []
+        if self.recv_from_tokenizer.poll(timeout):
+            while True:
+                try:
+                    msgs.append(self.decoder.decode(self.recv_from_tokenizer.recv(zmq.NOBLOCK)))
+                except zmq.Again:
+                    break
+        return msgs
+
+    def process_input_request(self, msg) -> None:
+        if isinstance(msg, TokenizedGenerateReqInput):
+            try:
+                self.scheduler.add_request(msg)
+            except ValueError as e:  # the TokenizerManager validates first; this is the safety net
+                reason = {"type": "abort", "matched": None, "message": str(e)}
+                self._send([ReqOutput(rid=msg.rid, token_ids=[], finish_reason=reason)], None)
+        elif isinstance(msg, AbortReq):
+            self.scheduler.abort_request(msg.rid)
+        elif isinstance(msg, ControlReq):
+            self.send_to_tokenizer.send(ENCODER.encode(self.control(msg)))
+
+    def control(self, req: ControlReq) -> ControlOutput:
+        s = self.scheduler
+        if req.action == "flush_cache":
+            if s.has_work():
+                return ControlOutput(req_id=req.req_id, ok=False, message="requests are running or waiting")
+            s.tree_cache.reset()
+            return ControlOutput(req_id=req.req_id, ok=True)
+        if req.action == "get_info":
+            pool = s.pool_usage()
+            slots = s.req_to_token_pool
+            return ControlOutput(req_id=req.req_id, ok=True, data={
+                "running": len(s.running) + (s.chunked_req is not None), "waiting": len(s.waiting_queue),
+                "pool": dataclasses.asdict(pool),
+                "token_usage": (pool.protected + pool.request_owned) / pool.total,
+                "req_slots": {"total": slots.size, "free": slots.available_size()},
+                "cached_tokens_in_tree": s.tree_cache.evictable_size() + s.tree_cache.protected_size(),
+            })
+        return ControlOutput(req_id=req.req_id, ok=False, message=f"unknown action {req.action!r}")
+
+    def send_outputs(self, out: StepOutput) -> None:
+        live = {r.rid: r for r in self.scheduler.running}
+        finished = {r.rid: r for r in out.finished}
+        outputs = []
+        for rid in list(out.new_token_ids) + [r for r in finished if r not in out.new_token_ids]:
+            req = finished.get(rid) or live[rid]
+            params = req.sampling_params
+            new = [out.new_token_ids[rid]] if rid in out.new_token_ids else []
+            o = ReqOutput(rid=rid, token_ids=new, prompt_tokens=len(req.origin_input_ids),
+                          cached_tokens=req.cached_tokens)
+            if req.finished():
+                o.finish_reason = req.finished_reason.to_dict()
+            if params.return_logprob and new:
+                o.token_logprobs = req.output_token_logprobs[-1:]
+                if params.top_logprobs_num:
+                    o.top_logprobs = req.output_top_logprobs[-1:]
+            if rid not in self.announced:
+                o.detokenize = DetokenizeParams(stop=params.stop_strs,
+                                                skip_special_tokens=params.skip_special_tokens,
+                                                spaces_between_special_tokens=params.spaces_between_special_tokens)
+                self.announced.add(rid)
+            if o.finish_reason is not None:
+                self.announced.discard(rid)
+            outputs.append(o)
+        self._send(outputs, self._drain_trace())
+
+    def _drain_trace(self) -> TraceChunk | None:
+        tracer = self.scheduler.tracer
+        if tracer is None or not (tracer.events or tracer.steps or tracer.tree_events):
+            return None
+        chunk = TraceChunk(events=list(tracer.events), steps=list(tracer.steps),
+                           tree_events=list(tracer.tree_events))
+        tracer.clear()
+        return chunk
+
+    def _send(self, outputs: list[ReqOutput], trace: TraceChunk | None) -> None:
+        if outputs or trace is not None:
+            self.send_to_detokenizer.send(ENCODER.encode(BatchTokenIDOutput(outputs=outputs, trace=trace)))
+

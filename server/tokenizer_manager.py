@@ -1,0 +1,216 @@
+"""TokenizerManager (main process): tokenizes and validates requests (stations 2-4), keeps
+rid -> ReqState, and hands each request's outputs to the HTTP handler waiting on it.
+
+`submit` checks and sends a request (raising before any response is started, so bad input becomes a
+4xx); `stream` yields its outputs as they arrive and aborts it in the scheduler if the consumer
+goes away first (client disconnect, cancellation)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from labkit.io_struct import (AbortReq, BatchStrOutput, ControlOutput, ControlReq, GenerateReqInput, ReqOutput,
+                              TokenizedGenerateReqInput, ToTokenizer)
+from labkit.scheduler.limits import RequestLimits
+from labkit.server.ipc import ENCODER, PortArgs, pull_socket, push_socket
+from labkit.server.metrics import ServerMetrics
+from labkit.tokenizer.prompt import encode_prompt
+from labkit.trace.events import Station
+from labkit.trace.recorder import Tracer
+
+logger = logging.getLogger(__name__)
+DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
+
+
+class QueueFullError(Exception):
+    """More requests are in flight than --max-running-requests + --max-queued-requests."""
+
+
+class ServerDeadError(Exception):
+    """A child process died; nothing more can be served."""
+
+
+@dataclass
+class ReqState:
+    rid: str
+    prompt_tokens: int
+    created: float
+    pending: list[ReqOutput] = field(default_factory=list)
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: bool = False
+    error: str | None = None
+    completion_tokens: int = 0
+    last_token_time: float | None = None
+
+
+class TokenizerManager:
+    def __init__(self, tokenizer, ports: PortArgs, info: dict[str, Any], max_in_flight: int | None,
+                 tracer: Tracer | None = None):
+        self.tokenizer = tokenizer
+        self.limits = RequestLimits(**info["limits"])
+        self.info = info
+        self.max_in_flight = max_in_flight
+        self.tracer = tracer
+        self.metrics = ServerMetrics()
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.dead: str | None = None  # why serving stopped, once a child died
+        self.last_finish_time = float("-inf")  # perf_counter of the last request that finished normally
+        self._control: dict[str, asyncio.Future] = {}
+        self._send = push_socket(zmq.Context.instance(), ports.scheduler_ipc)
+        self._recv = pull_socket(zmq.asyncio.Context.instance(), ports.tokenizer_ipc)
+        self._decoder = msgspec.msgpack.Decoder(ToTokenizer)
+
+    # ---- requests -----------------------------------------------------------------------------
+    def submit(self, reqs: list[GenerateReqInput], check_queue: bool = True) -> list[ReqState]:
+        """Tokenize, validate and send; all or none. Raises ValueError (bad input, a 400),
+        QueueFullError (503) or ServerDeadError (503)."""
+        if self.dead:
+            raise ServerDeadError(self.dead)
+        if check_queue and self.max_in_flight is not None and \
+                len(self.rid_to_state) + len(reqs) > self.max_in_flight:
+            raise QueueFullError(f"{len(self.rid_to_state)} requests in flight; the limit is {self.max_in_flight}")
+        tokenized = []
+        for req in reqs:
+            start = time.perf_counter()
+            text, ids = encode_prompt(self.tokenizer, req.text, req.input_ids, req.messages)
+            self.limits.check(ids, req.sampling_params)
+            rid = req.rid or uuid.uuid4().hex
+            if rid in self.rid_to_state:
+                raise ValueError(f"request id {rid!r} is already in use")
+            tokenized.append((start, TokenizedGenerateReqInput(
+                rid=rid, input_text=text, input_ids=ids, sampling_params=req.sampling_params,
+                stream=req.stream, created_time=time.perf_counter())))
+        states = []
+        for start, tok in tokenized:
+            msg = ENCODER.encode(tok)
+            self._send.send(msg)
+            now = time.perf_counter()
+            state = self.rid_to_state[tok.rid] = ReqState(tok.rid, len(tok.input_ids), created=start)
+            states.append(state)
+            if self.tracer is not None:
+                self.tracer.station(tok.rid, Station.TOKENIZE, start, tok.created_time,
+                                    text=tok.input_text, input_ids=tok.input_ids)
+                self.tracer.station(tok.rid, Station.ZMQ_SEND, tok.created_time, now, message_bytes=len(msg))
+        return states
+
+    async def stream(self, state: ReqState,
+                     is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[ReqOutput]:
+        """Yield the request's outputs until it finishes. Raises ServerDeadError if serving stopped.
+        Leaving early (disconnect, cancellation, an error) aborts the request in the scheduler."""
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(state.event.wait(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if is_disconnected is not None and await is_disconnected():
+                        logger.info("client of %s disconnected; aborting it", state.rid)
+                        return
+                    continue
+                state.event.clear()
+                if state.error is not None:
+                    raise ServerDeadError(state.error)
+                outputs, state.pending = state.pending, []
+                for out in outputs:
+                    yield out
+                if state.finished:
+                    return
+        finally:
+            if not state.finished:
+                self.abort_request(state.rid)
+
+    def abort_request(self, rid: str) -> bool:
+        """Ask the scheduler to abort; its KV and request slot come back at its next step."""
+        if rid not in self.rid_to_state or self.dead:
+            return False
+        self._send.send(ENCODER.encode(AbortReq(rid=rid)))
+        return True
+
+    async def generate_one_token(self, timeout: float) -> bool:
+        """The health probe: one greedy token through all three processes."""
+        try:
+            [state] = self.submit([GenerateReqInput(input_ids=[0], sampling_params={
+                "max_new_tokens": 1, "temperature": 0.0}, rid=f"health-{uuid.uuid4().hex}")], check_queue=False)
+
+            async def collect() -> list[ReqOutput]:
+                return [o async for o in self.stream(state)]
+
+            outs = await asyncio.wait_for(collect(), timeout)  # on timeout the request is aborted
+        except (ServerDeadError, asyncio.TimeoutError, ValueError):
+            return False
+        return bool(outs) and outs[-1].finish_reason is not None and outs[-1].finish_reason["type"] != "abort"
+
+    # ---- control --------------------------------------------------------------------------------
+    async def control(self, action: str, timeout: float = 30.0) -> ControlOutput:
+        if self.dead:
+            raise ServerDeadError(self.dead)
+        req_id = uuid.uuid4().hex
+        future = self._control[req_id] = asyncio.get_running_loop().create_future()
+        self._send.send(ENCODER.encode(ControlReq(req_id=req_id, action=action)))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._control.pop(req_id, None)
+
+    # ---- the receive loop -----------------------------------------------------------------------
+    async def handle_loop(self) -> None:
+        while True:
+            msg = self._decoder.decode(await self._recv.recv())
+            if isinstance(msg, ControlOutput):
+                future = self._control.get(msg.req_id)
+                if future is not None and not future.done():
+                    future.set_result(msg)
+            elif isinstance(msg, BatchStrOutput):
+                self._dispatch(msg)
+
+    def _dispatch(self, batch: BatchStrOutput) -> None:
+        now = time.perf_counter()
+        if batch.trace is not None and self.tracer is not None:
+            self.tracer.events.extend(batch.trace.events)
+            self.tracer.steps.extend(batch.trace.steps)
+            self.tracer.tree_events.extend(batch.trace.tree_events)
+        m = self.metrics
+        for out in batch.outputs:
+            state = self.rid_to_state.get(out.rid)
+            if state is None:
+                continue
+            if out.token_ids:
+                if state.last_token_time is None:
+                    m.ttft.observe(now - state.created)
+                    m.inc("cached_tokens_total", out.cached_tokens)
+                else:
+                    m.itl.observe((now - state.last_token_time) / len(out.token_ids))
+                state.last_token_time = now
+                state.completion_tokens += len(out.token_ids)
+                m.inc("generation_tokens_total", len(out.token_ids))
+            if out.finish_reason is not None:
+                state.finished = True
+                del self.rid_to_state[out.rid]
+                m.e2e.observe(now - state.created)
+                m.inc("prompt_tokens_total", state.prompt_tokens)
+                if out.finish_reason["type"] == "abort":
+                    m.inc("aborted_requests_total")
+                else:
+                    m.inc("requests_total")
+                    self.last_finish_time = now
+            state.pending.append(out)
+            state.event.set()
+
+    def fail_all(self, reason: str) -> None:
+        """A child died: every waiting handler gets an error now, and new requests are refused."""
+        self.dead = reason
+        for state in list(self.rid_to_state.values()):
+            state.error = reason
+            state.event.set()
+        self.rid_to_state.clear()
+        for future in self._control.values():
+            if not future.done():
+                future.set_exception(ServerDeadError(reason))

@@ -1,0 +1,20 @@
+"""A real `python -m labkit.server` in a subprocess, started once per test module."""
+from __future__ import annotations
+
+import pytest
+from server_process import start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The embedded model with metrics on; shut down with SIGTERM and checked to exit cleanly."""
+    s = start_server("--enable-metrics", "--log-level", "warning")
+    yield s
+    assert stop_server(s) == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)

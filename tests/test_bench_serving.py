@@ -1,0 +1,270 @@
+"""The serving benchmark client: datasets, metrics math, SSE streaming and timing against a mock server,
+the arrival schedule, the concurrency limit, and the engine backend and CLI on a tiny random-weight model."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import statistics
+
+import httpx
+import pytest
+
+from labkit.bench import datasets, serving
+from labkit.bench.backends import HttpTarget, RequestOutput, arrival_times, first_model, run_engine, run_http
+from labkit.bench.datasets import BenchRequest
+
+
+class WordTokenizer:
+    """Stand-in tokenizer: one token per whitespace-separated word, a trivial chat template."""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "".join(f"<{m['role']}> {m['content']} " for m in messages) + "<assistant>"
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [len(w) for w in text.split()]}
+
+    def decode(self, ids):
+        return " ".join(f"w{i}" for i in ids)
+
+
+# ---- datasets ------------------------------------------------------------------------------
+def test_random_requests_have_exact_lengths_and_are_seeded():
+    reqs = datasets.random_requests(20, 32, 8, 1.0, vocab_size=300, seed=3)
+    assert all(len(r.prompt) == r.prompt_len == 32 and r.output_len == 8 and r.ignore_eos for r in reqs)
+    assert all(datasets.FIRST_ID <= t < 300 for r in reqs for t in r.prompt)
+    assert reqs == datasets.random_requests(20, 32, 8, 1.0, vocab_size=300, seed=3)
+    assert reqs != datasets.random_requests(20, 32, 8, 1.0, vocab_size=300, seed=4)
+    ranged = datasets.random_requests(50, 32, 8, 0.5, vocab_size=300, seed=3)
+    assert all(16 <= len(r.prompt) == r.prompt_len <= 32 and 4 <= r.output_len <= 8 for r in ranged)
+    assert len({r.prompt_len for r in ranged}) > 5
+    with pytest.raises(ValueError):
+        datasets.random_requests(1, 8, 8, 1.0, vocab_size=50)
+
+
+def test_shared_prefix_groups_share_their_system_prompt():
+    reqs = datasets.shared_prefix_requests(3, 4, 20, 5, 7, vocab_size=1000, seed=0)
+    assert len(reqs) == 12 and all(r.prompt_len == len(r.prompt) == 25 and r.output_len == 7 for r in reqs)
+    groups = collections.Counter(tuple(r.prompt[:20]) for r in reqs)
+    assert sorted(groups.values()) == [4, 4, 4]
+    assert len({tuple(r.prompt[20:]) for r in reqs}) == 12
+    assert len({tuple(r.prompt[:20]) for r in reqs[:4]}) > 1  # shuffled: groups interleave
+
+
+def test_multiturn_file_loads_and_later_turns_extend_earlier_ones():
+    convs = datasets.load_conversations()
+    assert len(convs) >= 18 and all(2 <= len(c) <= 4 for c in convs)
+    assert all(t["user"].strip() and t["assistant"].strip() for c in convs for t in c)
+    reqs = datasets.multiturn_requests(WordTokenizer(), max_tokens=32)
+    assert len(reqs) == sum(map(len, convs))
+    assert all(r.is_chat and r.output_len == 32 and not r.ignore_eos for r in reqs)
+    n_turns = [len(r.prompt) // 2 + 1 for r in reqs]
+    assert n_turns == sorted(n_turns)  # round by round
+    by_first = collections.defaultdict(list)
+    for r in reqs:
+        by_first[r.prompt[0]["content"]].append(r)
+    for turns, conv in zip(by_first.values(), convs):
+        for k, (prev, cur) in enumerate(zip(turns, turns[1:])):
+            assert cur.prompt[:len(prev.prompt)] == prev.prompt
+            assert cur.prompt[len(prev.prompt)] == {"role": "assistant", "content": conv[k]["assistant"]}
+            assert cur.prompt_len > prev.prompt_len
+    assert len(datasets.multiturn_requests(WordTokenizer(), 32, num_prompts=5)) == 5
+
+
+# ---- metrics -------------------------------------------------------------------------------
+def test_metrics_match_hand_computed_values():
+    outs = [RequestOutput(True, prompt_len=10, output_len=5, ttft=0.1, itl=[0.05, 0.05, 0.1, 0.1], latency=0.4),
+            RequestOutput(True, prompt_len=20, output_len=1, ttft=0.2, latency=0.2),
+            RequestOutput(False, error="boom", prompt_len=30)]
+    m = serving.compute_metrics(outs, duration=2.0)
+    assert (m.completed, m.failed, m.total_input_tokens, m.total_output_tokens) == (2, 1, 30, 6)
+    assert (m.request_throughput, m.input_throughput, m.output_throughput, m.total_throughput) == (1, 15, 3, 18)
+    approx = lambda s: pytest.approx((s.mean, s.median, s.p99))  # noqa: E731
+    assert approx(m.ttft_ms) == (150, 150, 100 + 0.99 * 100)
+    assert approx(m.tpot_ms) == (75, 75, 75)  # (0.4 - 0.1) / 4; the 1-token request is left out
+    assert approx(m.itl_ms) == (75, 75, 100)
+    assert approx(m.e2e_ms) == (300, 300, 200 + 0.99 * 200)
+    assert serving.Stats.of_ms([]) == serving.Stats(0.0, 0.0, 0.0)
+    table = serving.format_metrics(m, "t")
+    assert "Failed requests:" in table and "199.00" in table and "75.00" in table
+
+
+# ---- HTTP: SSE streaming against a mock server ---------------------------------------------
+GAP = 0.03
+
+
+def sse_app(chat: bool, usage: bool = True, seen: list | None = None, state: dict | None = None):
+    """A mock OpenAI server streaming real SSE bytes: 3 text pieces GAP apart, a usage chunk, [DONE]."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if seen is not None:
+            seen.append((request.url.path, body))
+        if state is not None:
+            state["now"] += 1
+            state["peak"] = max(state["peak"], state["now"])
+
+        def event(text: str | None) -> bytes:
+            if chat:
+                choice = {"index": 0, "delta": {"role": "assistant"} if text is None else {"content": text}}
+            else:
+                choice = {"index": 0, "text": text or ""}
+            return f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
+
+        async def stream():
+            yield event(None)  # a role-only / empty chunk: must not count as the first token
+            for i, piece in enumerate(["Hel", "lo", " world"]):
+                await asyncio.sleep(GAP)
+                data = event(piece)
+                if i == 1:  # one event split across network reads
+                    yield data[:7]
+                    data = data[7:]
+                yield data
+            if usage:
+                final = {"choices": [], "usage": {"prompt_tokens": 99, "completion_tokens": body["max_tokens"]}}
+                yield f"data: {json.dumps(final)}\n\n".encode()
+            if state is not None:
+                state["now"] -= 1
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, content=stream(), headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+def run_mock(transport, reqs, chat=False, arrivals=None, max_concurrency=None, tokenizer=None):
+    async def go():
+        async with httpx.AsyncClient(transport=transport, base_url="http://mock") as client:
+            target = HttpTarget("http://mock", "m", chat, tokenizer)
+            return await run_http(client, target, reqs, arrivals or [0.0] * len(reqs), max_concurrency)
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streaming_request_is_parsed_and_timed(chat):
+    seen: list = []
+    req = BenchRequest([{"role": "user", "content": "hi"}] if chat else [101, 102, 103], 3, 4)
+    (out,), duration = run_mock(sse_app(chat, seen=seen), [req], chat=chat)
+    assert out.success, out.error
+    assert out.text == "Hello world" and (out.prompt_len, out.output_len) == (99, 4)
+    assert out.ttft >= GAP and len(out.itl) == 2 and all(gap >= GAP * 0.8 for gap in out.itl)
+    assert out.latency >= out.ttft + sum(out.itl) and duration >= out.latency
+    path, body = seen[0]
+    assert path == ("/v1/chat/completions" if chat else "/v1/completions")
+    assert body["messages" if chat else "prompt"] == req.prompt
+    assert {k: body[k] for k in ("model", "max_tokens", "temperature", "stream", "ignore_eos")} == \
+        {"model": "m", "max_tokens": 4, "temperature": 0, "stream": True, "ignore_eos": True}
+    assert body["stream_options"] == {"include_usage": True}
+
+
+def test_without_usage_tokens_are_counted_and_prompt_forms_are_converted():
+    req = BenchRequest([101, 102], 2, 4)
+    (out,), _ = run_mock(sse_app(False, usage=False), [req])
+    assert out.success and (out.prompt_len, out.output_len) == (2, 3)  # no tokenizer: one per piece
+    (out,), _ = run_mock(sse_app(False, usage=False), [req], tokenizer=WordTokenizer())
+    assert out.output_len == 2  # "Hello world": two words
+    target = HttpTarget("http://x", "m", True, WordTokenizer())
+    assert target.body(req)["messages"] == [{"role": "user", "content": "w101 w102"}]
+    chat_req = BenchRequest([{"role": "user", "content": "a bc"}], 5, 4, ignore_eos=False)
+    body = HttpTarget("http://x", "m", False, WordTokenizer()).body(chat_req)
+    assert body["prompt"] == [6, 1, 2, 11] and body["ignore_eos"] is False
+
+
+def test_failed_requests_are_recorded_not_dropped():
+    def handler(request: httpx.Request) -> httpx.Response:
+        kind = json.loads(request.content)["prompt"][0]
+        if kind == 1:
+            return httpx.Response(500, json={"error": {"message": "bad"}})
+        if kind == 2:
+            return httpx.Response(200, content=b'data: {"error": {"message": "oom"}}\n\n')
+        if kind == 3:
+            return httpx.Response(200, content=b'data: {"choices": [{"text": "x"}]}\n\n')  # no [DONE]
+        raise httpx.ConnectError("refused")
+
+    reqs = [BenchRequest([k], 1, 2) for k in (1, 2, 3, 4)]
+    outs, duration = run_mock(httpx.MockTransport(handler), reqs)
+    assert not any(o.success for o in outs)
+    assert ["HTTP 500" in outs[0].error, "oom" in outs[1].error, "[DONE]" in outs[2].error,
+            "ConnectError" in outs[3].error] == [True] * 4
+    assert serving.compute_metrics(outs, duration).failed == 4
+
+
+def test_first_model_asks_v1_models():
+    transport = httpx.MockTransport(lambda r: httpx.Response(200, json={"data": [{"id": "smol"}, {"id": "b"}]}))
+
+    async def go():
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await first_model(client, "http://mock/")
+
+    assert asyncio.run(go()) == "smol"
+
+
+# ---- schedule and concurrency --------------------------------------------------------------
+def test_poisson_arrivals_are_seeded_with_mean_gap_one_over_rate():
+    times = arrival_times(20000, 50.0, seed=1)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert times[0] == 0.0 and min(gaps) >= 0
+    assert statistics.mean(gaps) == pytest.approx(1 / 50, rel=0.03)
+    assert statistics.stdev(gaps) == pytest.approx(1 / 50, rel=0.05)  # exponential: sd = mean
+    assert times == arrival_times(20000, 50.0, seed=1) != arrival_times(20000, 50.0, seed=2)
+    assert arrival_times(3, float("inf")) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        arrival_times(3, 0.0)
+
+
+def peak_overlap(outs: list[RequestOutput]) -> int:
+    events = sorted([(o.start + o.latency, -1) for o in outs] + [(o.start, 1) for o in outs])
+    level, peak = 0, 0
+    for _, delta in events:
+        level += delta
+        peak = max(peak, level)
+    return peak
+
+
+def test_http_respects_max_concurrency_and_arrival_times():
+    state = {"now": 0, "peak": 0}
+    reqs = [BenchRequest([100 + i], 1, 3) for i in range(9)]
+    outs, _ = run_mock(sse_app(False, state=state), reqs, max_concurrency=3)
+    assert all(o.success for o in outs) and state["peak"] == 3 and peak_overlap(outs) <= 3
+    arrivals = [0.0, 0.05, 0.15]
+    outs, _ = run_mock(sse_app(False), reqs[:3], arrivals=arrivals)
+    assert all(o.start >= a for o, a in zip(outs, arrivals))
+
+
+# ---- the engine backend and the CLI, on a tiny random-weight model --------------------------
+@pytest.fixture(scope="module")
+def tiny_engine():
+    from labkit import Engine
+
+    return Engine(model_path="tiny-llama", load_format="dummy", max_total_tokens=2048)
+
+
+def test_engine_backend_times_every_token_within_limits(tiny_engine):
+    reqs = datasets.random_requests(6, 16, 5, 1.0, tiny_engine.model_runner.vocab_size, seed=0)
+    done = []
+    outs, duration = run_engine(tiny_engine, reqs, [0.0] * 6, max_concurrency=2, on_done=lambda: done.append(1))
+    assert len(done) == 6 and all(o.success for o in outs)
+    assert all(o.prompt_len == 16 and o.output_len == 5 and len(o.itl) == 4 for o in outs)
+    assert all(0 < o.ttft <= o.latency and o.latency >= o.ttft + sum(o.itl) * 0.99 for o in outs)
+    assert peak_overlap(outs) == 2 and duration >= max(o.start + o.latency for o in outs)
+    arrivals = [0.0, 0.05, 0.1]
+    outs, _ = run_engine(tiny_engine, reqs[:3], arrivals)
+    assert all(o.success and o.start >= a for o, a in zip(outs, arrivals))
+    assert not tiny_engine.scheduler.has_work() and not tiny_engine.results
+
+
+def test_cli_engine_backend_appends_json_lines(tmp_path, capsys):
+    path = tmp_path / "out.jsonl"
+    common = ["--backend", "engine", "--model-path", "tiny-llama", "--load-format", "dummy",
+              "--max-total-tokens", "1024", "--disable-tqdm", "--output-file", str(path), "--max-concurrency", "2"]
+    serving.main(common + ["--num-prompts", "4", "--random-input-len", "12", "--random-output-len", "3"])
+    serving.main(common + ["--dataset", "shared-prefix", "--gsp-num-groups", "2", "--gsp-prompts-per-group", "2",
+                           "--gsp-system-prompt-len", "8", "--gsp-question-len", "4", "--gsp-output-len", "2",
+                           "--request-rate", "100"])
+    first, second = [json.loads(line) for line in path.read_text().splitlines()]
+    assert first["metrics"]["completed"] == 4 and first["metrics"]["total_output_tokens"] == 12
+    assert first["args"]["backend"] == "engine" and first["args"]["request_rate"] == "inf"
+    assert second["metrics"]["completed"] == 4 and second["metrics"]["total_input_tokens"] == 48
+    printed = capsys.readouterr().out
+    assert printed.count("Mean TTFT (ms):") == 2 and "engine / shared-prefix / rate 100.0" in printed
