@@ -26,6 +26,6 @@ class EngineConfig:
     disable_radix_cache: bool = False
     schedule_conservativeness: float = 1.0
     # Execution
-    attention_backend: str = "torch_native"
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch_native on CPU
     # Observability
     enable_trace: bool = False

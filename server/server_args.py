@@ -30,7 +30,7 @@ ENGINE_HELP = {
     "enable_mixed_chunk": "run a prefill chunk and the decodes in one batch",
     "disable_radix_cache": "no prefix sharing (ChunkCache)",
     "schedule_conservativeness": "scales the decode reservation of admitted requests",
-    "attention_backend": "attention implementation (torch_native, ...)",
+    "attention_backend": "auto (triton on CUDA, torch_native on CPU), torch_native or triton",
 }
 HIDDEN_ENGINE_FIELDS = {"enable_trace"}  # set by --trace-file
 

@@ -11,7 +11,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from labkit import Engine
 from labkit.model_loader.loader import CONFIGS_DIR
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+DEVICE_BACKENDS = [("cpu", "torch_native"), pytest.param("cuda", "torch_native", marks=NO_CUDA),
+                   pytest.param("cuda", "triton", marks=NO_CUDA)]
 PROMPTS = [[5 + (7 * i + j) % 240 for j in range(n)] for i, n in enumerate((9, 70, 33, 70))]
 
 
@@ -25,11 +27,11 @@ def checkpoint(request, tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device, backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_engine_logprobs_match_transformers(checkpoint, device, page_size):
+def test_engine_logprobs_match_transformers(checkpoint, device, backend, page_size):
     engine = Engine(model_path=str(checkpoint), device=device, dtype="float32", page_size=page_size,
-                    chunked_prefill_size=32, max_total_tokens=2048)
+                    chunked_prefill_size=32, max_total_tokens=2048, attention_backend=backend)
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True, "return_logprob": True}
     first = engine.generate(input_ids=PROMPTS, sampling_params=params)
     again = engine.generate(input_ids=PROMPTS, sampling_params=params)
@@ -45,10 +47,11 @@ def test_engine_logprobs_match_transformers(checkpoint, device, page_size):
             assert ref[tok].item() >= ref.max().item() - 2e-4  # the argmax, up to ties
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-def test_cuda_defaults_to_bfloat16_and_serves_with_cache():
+@NO_CUDA
+def test_cuda_defaults_to_bfloat16_triton_and_serves_with_cache():
     engine = Engine(model_path="qwen3-0.6b", load_format="dummy", page_size=16, max_total_tokens=8192)
     assert engine.model_runner.device.type == "cuda" and engine.model_runner.dtype == torch.bfloat16
+    assert engine.model_runner.attention_backend == "triton"
     params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     prompts = [[11] * 40 + [i] for i in range(20, 28)]
     first = engine.generate(input_ids=prompts, sampling_params=params)
@@ -76,3 +79,18 @@ def test_generation_config_eos_ids_stop_generation(checkpoint):
     cut = free["output_ids"].index(stop_at) + 1
     assert out["output_ids"] == free["output_ids"][:cut]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at, "message": None}
+
+
+@NO_CUDA
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "qwen2.5-0.5b"])
+def test_cuda_backends_agree_on_greedy_outputs_in_bfloat16(model):
+    prompts = [[(37 * i + 11 * j) % 5000 + 100 for j in range(30 + 17 * i)] for i in range(12)]
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    outs = {}
+    for backend in ("torch_native", "triton"):
+        engine = Engine(model_path=model, load_format="dummy", page_size=16, max_total_tokens=16384,
+                        attention_backend=backend)
+        outs[backend] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+        del engine
+    same = sum(a == b for a, b in zip(outs["torch_native"], outs["triton"]))
+    assert same == len(prompts), f"{same}/{len(prompts)} requests agree"

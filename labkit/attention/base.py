@@ -1,6 +1,7 @@
 """The attention backend interface. One backend instance serves all layers of one ModelRunner."""
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -78,6 +79,29 @@ class AttentionBackend(ABC):
 
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
+# Backends that need optional packages (triton, flashinfer) register themselves when first asked for,
+# so importing labkit never imports them.
+LAZY_BACKENDS = {"triton": "labkit.attention.triton_backend"}
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """"auto" is triton on CUDA and torch_native elsewhere."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch_native"
+    return name
+
+
+def get_attention_backend(name: str) -> type[AttentionBackend]:
+    """The backend class registered as `name`; ValueError if there is none (or it cannot load)."""
+    if name not in ATTENTION_BACKENDS and name in LAZY_BACKENDS:
+        try:
+            importlib.import_module(LAZY_BACKENDS[name])
+        except ImportError as e:
+            raise ValueError(f"attention backend {name!r} needs a package that is missing: {e}") from None
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose auto or one of "
+                         f"{sorted(set(ATTENTION_BACKENDS) | set(LAZY_BACKENDS))}")
+    return ATTENTION_BACKENDS[name]
 
 
 def register_attention_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from labkit.attention import ATTENTION_BACKENDS, AttentionBackendConfig
+from labkit.attention import AttentionBackendConfig, get_attention_backend, resolve_attention_backend
 from labkit.config import EngineConfig
 from labkit.mem_cache.allocator import TokenToKVPoolAllocator
 from labkit.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
@@ -61,11 +61,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, tokenizer=None, model_dir: Path | None = None):
         if config.page_size < 1:
             raise ValueError("page_size must be >= 1")
-        if config.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"unknown attention backend {config.attention_backend!r}; "
-                             f"choose one of {sorted(ATTENTION_BACKENDS)}")
         self.config = config
         self.device = resolve_device(config.device)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        backend_cls = get_attention_backend(self.attention_backend)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.random_seed)
         self.model, self.hf_config = load_model(config.model_path, config.load_format, self.dtype,
@@ -84,7 +83,7 @@ class ModelRunner:
             self.token_to_kv_pool.size, config.page_size, self.device)
         # +2: the request being chunk-prefilled and one being admitted can hold slots beside the cap.
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 2, self.context_len, self.device)
-        self.attn_backend = ATTENTION_BACKENDS[config.attention_backend](AttentionBackendConfig(
+        self.attn_backend = backend_cls(AttentionBackendConfig(
             num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
             page_size=config.page_size, max_context_len=self.context_len,
             max_batch_size=config.max_running_requests, dtype=self.dtype, device=self.device))

@@ -112,14 +112,19 @@ class DFSWeightPolicy(SchedulePolicy):
         root = tree_cache.root
         if id(root) not in nodes:  # no tree (chunk cache): keep arrival order
             return
+        # Post-order, as SGLang: a node's subtrees (heaviest first) before the requests that stop at
+        # the node itself, so requests matching nothing (at the root) do not jump ahead of a group.
         order: list[Req] = []
-        stack = [root]
+        stack: list[tuple[object, bool]] = [(root, False)]
         while stack:
-            node = stack.pop()
-            order.extend(by_node.get(id(node), ()))
+            node, expanded = stack.pop()
+            if expanded:
+                order.extend(by_node.get(id(node), ()))
+                continue
+            stack.append((node, True))
             kids = [c for c in node.children.values() if weight.get(id(c), 0) > 0]
             kids.sort(key=lambda c: weight[id(c)])  # popped last = heaviest first
-            stack.extend(kids)
+            stack.extend((c, False) for c in kids)
         waiting[:] = order
 
 

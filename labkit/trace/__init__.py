@@ -2,8 +2,10 @@
 from labkit.trace.events import PoolUsage, Station, StationEvent, StepRecord, TreeEvent
 from labkit.trace.export import save_perfetto, to_dataframe, to_perfetto
 from labkit.trace.recorder import Tracer, shorten
+from labkit.trace.snapshot import NodeState, StepSnapshot, TreeSnapshot, WaitingState
 
 __all__ = [
     "PoolUsage", "Station", "StationEvent", "StepRecord", "TreeEvent", "Tracer",
     "save_perfetto", "shorten", "to_dataframe", "to_perfetto",
+    "NodeState", "StepSnapshot", "TreeSnapshot", "WaitingState",
 ]  # fmt: skip

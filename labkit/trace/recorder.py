@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from labkit.trace import export
 from labkit.trace.events import Station, StationEvent, StepRecord, TreeEvent
+from labkit.trace.snapshot import StepSnapshot, snapshot_tree, snapshot_waiting
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -46,14 +47,20 @@ def _bound(value: Any, limit: int) -> Any:
 class Tracer:
     """Collects StationEvents, StepRecords and TreeEvents of one run; exports them.
 
-    `max_tokens` bounds every recorded list (see module docstring).
+    `max_tokens` bounds every recorded list (see module docstring). With `record_snapshots` (the
+    default) the scheduler also leaves one StepSnapshot per step in `snapshots` (the radix tree with
+    its locks and the waiting queue with its prefix matches; see labkit.trace.snapshot), which is
+    what labkit.viz replays a run from.
     """
 
-    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, record_snapshots: bool = True) -> None:
         self.max_tokens = max_tokens
         self.events: list[StationEvent] = []
         self.steps: list[StepRecord] = []
         self.tree_events: list[TreeEvent] = []
+        self.record_snapshots = record_snapshots
+        self.snapshots: list[StepSnapshot] = []
+        self._last_nodes: dict = {}  # node id -> NodeState of the last snapshot (shared if unchanged)
 
     def station(
         self, rid: str, station: Station, start: float, end: float, step: int | None = None, **detail: Any
@@ -73,11 +80,30 @@ class Tracer:
             event = dataclasses.replace(event, tokens=shorten(event.tokens, self.max_tokens))
         self.tree_events.append(event)
 
+    def snapshot(self, step: int, tree_cache, waiting_queue: list) -> None:
+        """Record the tree (with lock refs) and the waiting queue as step `step` left them. Called by
+        the scheduler's trace hook at the end of every step; a no-op when record_snapshots is off."""
+        if not self.record_snapshots:
+            return
+        tree = snapshot_tree(tree_cache, step, previous=self._last_nodes)
+        if tree is not None:
+            self._last_nodes = tree.by_id()
+        self.snapshots.append(StepSnapshot(step, tree, snapshot_waiting(waiting_queue)))
+
+    def snapshot_at(self, step: int) -> StepSnapshot | None:
+        """The snapshot recorded at the end of scheduler step `step` (None if there is none)."""
+        for snap in reversed(self.snapshots):
+            if snap.step == step:
+                return snap
+        return None
+
     def clear(self) -> None:
         """Drop all records (keeps the tracer attached to its components)."""
         self.events.clear()
         self.steps.clear()
         self.tree_events.clear()
+        self.snapshots.clear()
+        self._last_nodes = {}
 
     def for_request(self, rid: str) -> list[StationEvent]:
         """Station events of `rid`, ordered by station then start time."""

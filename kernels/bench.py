@@ -1,0 +1,85 @@
+"""Timings of the attention kernels on a CUDA device against their floors and torch's SDPA.
+
+    python -m labkit.kernels.bench            # prints one table (median of do_bench, milliseconds)
+
+Decode is memory-bound: floor = bytes of K and V read / measured copy bandwidth. Extend (prefill) is
+compute-bound: floor = causal FLOPs / measured bf16 matmul rate. Both ceilings are measured here."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from labkit.kernels import ExtendPlan, decode_attention, extend_attention
+
+
+def _ceilings(device: torch.device) -> tuple[float, float]:
+    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s), measured."""
+    src = torch.randn(1 << 28, device=device, dtype=torch.bfloat16)  # 512 MiB
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    bw = 2 * src.numel() * 2 / (ms * 1e-3)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, return_mode="median")
+    return bw, 2 * 8192 ** 3 / (ms * 1e-3)
+
+
+def _pool(batch: int, seq_len: int, num_kv_heads: int, head_dim: int, page_size: int, dtype, device):
+    pages_per_req = -(-seq_len // page_size)
+    num_pages = batch * pages_per_req + 1
+    pages = (torch.randperm(num_pages - 1, device=device) + 1).view(batch, pages_per_req)
+    slots = (pages[:, :, None] * page_size + torch.arange(page_size, device=device)).view(batch, -1)
+    req_to_token = slots[:, :seq_len].contiguous()
+    k = torch.randn(num_pages * page_size, num_kv_heads, head_dim, device=device, dtype=dtype)
+    return k, torch.randn_like(k), req_to_token
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    dtype = torch.bfloat16
+    bw, flops = _ceilings(device)
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    print(f"{'case':<44} {'ms':>8} {'floor':>8} {'sdpa':>8}")
+    num_heads, num_kv_heads, head_dim, page_size = 32, 8, 128, 16
+    scale = head_dim ** -0.5
+    for batch, seq_len in [(1, 32768), (8, 4096), (64, 4096), (256, 1024)]:
+        k_buf, v_buf, r2t = _pool(batch, seq_len, num_kv_heads, head_dim, page_size, dtype, device)
+        q = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype)
+        rows = torch.arange(batch, device=device)
+        seq = torch.full((batch,), seq_len, device=device)
+        ms = triton.testing.do_bench(lambda: decode_attention(q, k_buf, v_buf, r2t, rows, seq, scale),
+                                     return_mode="median")
+        floor = 2 * batch * seq_len * num_kv_heads * head_dim * 2 / bw * 1e3
+        # SDPA on contiguous K/V (no paging): what a dense kernel does with the same bytes.
+        kd = k_buf[r2t].transpose(1, 2)  # [B, H_kv, L, D]
+        vd = v_buf[r2t].transpose(1, 2)
+        sd = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, None], kd, vd, scale=scale, enable_gqa=True), return_mode="median")
+        print(f"{f'decode B={batch} L={seq_len} h32/kv8 d128 page16':<44} {ms:8.3f} {floor:8.3f} {sd:8.3f}")
+        del k_buf, v_buf, kd, vd
+    for batch, prefix, new in [(1, 0, 4096), (4, 0, 2048), (4, 4096, 512)]:
+        k_buf, v_buf, r2t = _pool(batch, max(prefix, 1), num_kv_heads, head_dim, page_size, dtype, device)
+        total = batch * new
+        q = torch.randn(total, num_heads, head_dim, device=device, dtype=dtype)
+        k = torch.randn(total, num_kv_heads, head_dim, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        rows = torch.arange(batch, device=device)
+        prefix_lens = torch.full((batch,), prefix, device=device)
+        ext = torch.full((batch,), new, device=device)
+        starts = torch.arange(batch, device=device) * new
+        plan = ExtendPlan.build([new] * batch, head_dim, device)
+        ms = triton.testing.do_bench(lambda: extend_attention(
+            q, k, v, k_buf, v_buf, r2t, rows, prefix_lens, ext, starts, scale, plan=plan), return_mode="median")
+        flop = 4 * batch * num_heads * head_dim * (new * prefix + new * (new + 1) / 2)
+        qd = q.view(batch, new, num_heads, head_dim).transpose(1, 2)
+        kd = k.view(batch, new, num_kv_heads, head_dim).transpose(1, 2)
+        vd = v.view(batch, new, num_kv_heads, head_dim).transpose(1, 2)
+        sd = (triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+            qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True), return_mode="median")
+            if prefix == 0 else float("nan"))
+        print(f"{f'extend B={batch} prefix={prefix} new={new} h32/kv8 d128':<44} {ms:8.3f} "
+              f"{flop / flops * 1e3:8.3f} {sd:8.3f}")
+
+
+if __name__ == "__main__":
+    main()

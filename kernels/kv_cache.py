@@ -1,0 +1,54 @@
+"""store_kv: write the K and V of this forward's new tokens into the paged pool."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, K_buf, V_buf, Loc, num_tokens,
+    stride_kt, stride_vt, stride_kbs, stride_vbs,
+    ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Copies a [BLOCK_T tokens, BLOCK_R elements] tile of the flattened [T, H_kv * D] rows."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_t = offs_t < num_tokens
+    mask = mask_t[:, None] & (offs_r < ROW)[None, :]
+    slots = tl.load(Loc + offs_t, mask=mask_t, other=0).to(tl.int64)
+    rows = offs_t.to(tl.int64)[:, None]
+    k = tl.load(K + rows * stride_kt + offs_r[None, :], mask=mask)
+    v = tl.load(V + rows * stride_vt + offs_r[None, :], mask=mask)
+    tl.store(K_buf + slots[:, None] * stride_kbs + offs_r[None, :], k.to(K_buf.dtype.element_ty), mask=mask)
+    tl.store(V_buf + slots[:, None] * stride_vbs + offs_r[None, :], v.to(V_buf.dtype.element_ty), mask=mask)
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] with each row's H*D elements contiguous (a view when it already is)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """k_buffer[loc[t]] = k[t] and v_buffer[loc[t]] = v[t] for every new token t, cast to the buffer dtype.
+
+    k_buffer, v_buffer: [num_slots, H_kv, D] pool buffers of one layer (each slot's H_kv * D values
+    contiguous); loc: [T] int32/int64 slot indices (any page size: a slot is one token's row, pages
+    need not be contiguous); k, v: [T, H_kv, D], any token stride (e.g. views into a fused qkv
+    output; copied first if a token's values are not contiguous). Slots repeated in loc (padding
+    tokens sent to the reserved slot 0) end up holding one of the values."""
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    k, v = _rows_contiguous(k), _rows_contiguous(v)
+    assert _rows_contiguous(k_buffer) is k_buffer and _rows_contiguous(v_buffer) is v_buffer
+    row = num_heads * head_dim
+    block_r = min(triton.next_power_of_2(row), 1024)
+    block_t = max(1, min(triton.next_power_of_2(num_tokens), 4096 // block_r))
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(row, block_r))
+    _store_kv_kernel[grid](
+        k, v, k_buffer, v_buffer, loc, num_tokens, k.stride(0), v.stride(0),
+        k_buffer.stride(0), v_buffer.stride(0), ROW=row, BLOCK_T=block_t, BLOCK_R=block_r, num_warps=4,
+    )

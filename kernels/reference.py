@@ -1,0 +1,96 @@
+"""Plain-PyTorch references for every kernel in labkit.kernels: same arguments, same results (up to
+rounding). Slow and simple on purpose; the tests compare each Triton kernel with its reference here."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reference_store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor) -> None:
+    """k_buffer[loc] = k, v_buffer[loc] = v (cast to the buffer dtype)."""
+    k_buffer[loc] = k.to(k_buffer.dtype)
+    v_buffer[loc] = v.to(v_buffer.dtype)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, sm_scale: float) -> torch.Tensor:
+    """Causal GQA attention in float32: q [n, H, D] at positions first_pos.., k, v [L, H_kv, D] at 0..L-1."""
+    n, num_heads, _ = q.shape
+    group = num_heads // k.shape[1]
+    kh = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+    vh = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.float().transpose(0, 1) @ kh.transpose(1, 2) * sm_scale  # [H, n, L]
+    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= (
+        torch.arange(n, device=q.device)[:, None] + first_pos)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return (scores.softmax(-1) @ vh).transpose(0, 1)  # [n, H, D]
+
+
+def reference_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                               seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """q [B, H, D]; request b attends to the KV slots req_to_token[req_pool_indices[b], :seq_lens[b]].
+    Returns [B, H, D] in q's dtype."""
+    out = torch.empty_like(q)
+    for b, (r, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+        slots = req_to_token[r, :n]
+        out[b] = _attend(q[b:b + 1], k_buffer[slots], v_buffer[slots], n - 1, sm_scale)[0].to(q.dtype)
+    return out
+
+
+def reference_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor,
+                               v_buffer: torch.Tensor, req_to_token: torch.Tensor,
+                               req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                               extend_lens: torch.Tensor, extend_start_loc: torch.Tensor,
+                               sm_scale: float) -> torch.Tensor:
+    """q [T, H, D], k, v [T, H_kv, D]: the new tokens of each request, rows extend_start_loc[b] +
+    [0, extend_lens[b]). They attend to the prefix (pool slots req_to_token[r, :prefix_lens[b]]) and
+    causally to the request's new tokens. Returns [T, H, D] in q's dtype."""
+    out = torch.empty_like(q)
+    for b, r in enumerate(req_pool_indices.tolist()):
+        p, n, s = int(prefix_lens[b]), int(extend_lens[b]), int(extend_start_loc[b])
+        slots = req_to_token[r, :p]
+        ks = torch.cat([k_buffer[slots].to(k.dtype), k[s:s + n]])
+        vs = torch.cat([v_buffer[slots].to(v.dtype), v[s:s + n]])
+        out[s:s + n] = _attend(q[s:s + n], ks, vs, p, sm_scale).to(q.dtype)
+    return out
+
+
+def reference_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim: normalized in float32, cast to x's dtype, then scaled
+    (Hugging Face's order, and labkit.layers.RMSNorm's)."""
+    normed = F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+    return (normed.float() * weight.float()).to(x.dtype)
+
+
+def reference_fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual), x + residual), the sum rounded to x's dtype first."""
+    s = x + residual
+    return reference_rmsnorm(s, weight, eps), s
+
+
+def cos_sin_cache(inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:
+    """[max_position, 2 * len(inv_freq)] float32: cos of position * inv_freq in the first half, sin in
+    the second (the table rotary_embedding reads)."""
+    freqs = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)[:, None] * inv_freq.float()[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def reference_rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                               cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rope (rotate halves) on q [T, H, D] and k [T, H_kv, D], computed in float32."""
+    half = cos_sin.shape[1] // 2
+    cos, sin = cos_sin[positions, :half][:, None, :], cos_sin[positions, half:][:, None, :]
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float()[..., :half], x.float()[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    return rope(q), rope(k)
+
+
+def reference_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2d] = cat(gate, up) -> silu(gate) * up [..., d], computed in float32."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)

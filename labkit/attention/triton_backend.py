@@ -1,0 +1,120 @@
+"""Attention over the paged KV pool with labkit's Triton kernels (labkit.kernels).
+
+A thin adapter: `init_forward_metadata` prepares, once per forward, the index tensors every layer
+reuses (split counts and the stage-1 workspace for decode; per-request prefix/extend lengths, row
+offsets and the tile plan for extend and mixed batches); each layer then stores its new K/V with
+`store_kv` and runs `decode_attention` (DECODE) or `extend_attention` (EXTEND, MIXED: one-token
+requests are extends of length 1). Without CUDA the kernels run in Triton's interpreter (slow)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from labkit.attention.base import (
+    AttentionBackend, AttentionBackendConfig, AttentionLayerSpec, register_attention_backend,
+)
+from labkit.kernels.decode import (
+    DEFAULT_MAX_KV_SPLITS, decode_attention, decode_kv_splits, num_sms,
+)
+from labkit.kernels.extend import ExtendPlan, extend_attention
+from labkit.kernels.kv_cache import store_kv
+
+if TYPE_CHECKING:
+    from labkit.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass
+class _ExtendMetadata:
+    prefix_lens: torch.Tensor  # [bs] cached tokens before this forward's
+    extend_lens: torch.Tensor  # [bs] new tokens
+    extend_start: torch.Tensor  # [bs] row of each request's first new token
+    plan: ExtendPlan
+
+
+@dataclass
+class _DecodeMetadata:
+    num_kv_splits: torch.Tensor  # [bs] int32
+    max_kv_splits: int  # their bound (the grid's split axis)
+    mid_o: torch.Tensor  # [bs, H, max_kv_splits, D] float32 workspace
+    mid_lse: torch.Tensor  # [bs, H, max_kv_splits] float32 workspace
+    as_extend: _ExtendMetadata  # the same batch as extends of one token (for save_kv_cache=False)
+
+
+@register_attention_backend("triton")
+class TritonAttnBackend(AttentionBackend):
+    """Triton kernels on CUDA (interpreter elsewhere). See AttentionBackend for the contract."""
+
+    def __init__(self, config: AttentionBackendConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        # The interpreter runs the programs one after another in Python: fewer splits there.
+        self.max_kv_splits = DEFAULT_MAX_KV_SPLITS if self.device.type == "cuda" else 4
+        self.num_sms = num_sms(self.device)
+        self.extend: _ExtendMetadata | None = None
+        self.decode: _DecodeMetadata | None = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        if fb.forward_mode.is_decode():
+            self.extend = None
+            self.decode = self._decode_metadata(fb)
+        else:
+            self.decode = None
+            self.extend = self._extend_metadata(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)
+
+    def _extend_metadata(self, prefix_lens: list[int], extend_lens: list[int]) -> _ExtendMetadata:
+        starts, row = [], 0
+        for n in extend_lens:
+            starts.append(row)
+            row += n
+        lens = torch.tensor([prefix_lens, extend_lens, starts], dtype=torch.int64).to(self.device)
+        plan = ExtendPlan.build(extend_lens, self.config.head_dim, self.device)
+        return _ExtendMetadata(lens[0], lens[1], lens[2], plan)
+
+    def _decode_metadata(self, fb: ForwardBatch) -> _DecodeMetadata:
+        c, bs = self.config, fb.batch_size
+        splits, bound = decode_kv_splits(fb.seq_lens, c.num_heads, c.num_kv_heads, self.num_sms,
+                                         self.max_kv_splits)
+        mid_o = torch.empty(bs, c.num_heads, bound, c.head_dim, dtype=torch.float32, device=self.device)
+        mid_lse = torch.empty(bs, c.num_heads, bound, dtype=torch.float32, device=self.device)
+        ones = torch.ones_like(fb.seq_lens)
+        as_extend = _ExtendMetadata(fb.seq_lens - 1, ones, torch.arange(bs, device=self.device),
+                                    ExtendPlan.one_token_each(bs, c.head_dim, self.device))
+        return _DecodeMetadata(splits, bound, mid_o, mid_lse, as_extend)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: AttentionLayerSpec, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True) -> torch.Tensor:
+        md = self.decode
+        assert md is not None, "init_forward_metadata was not called for this decode batch"
+        if not save_kv_cache:  # the new tokens are not in the pool: read them from k, v
+            return self._extend(q, k, v, layer, forward_batch, md.as_extend)
+        fb, pool = forward_batch, forward_batch.token_to_kv_pool
+        k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+        out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
+        decode_attention(q, k_buf, v_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                         fb.seq_lens, layer.scaling, out=out.view(q.shape), num_kv_splits=md.num_kv_splits,
+                         max_kv_splits=md.max_kv_splits, mid_o=md.mid_o, mid_lse=md.mid_lse)
+        return out
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: AttentionLayerSpec, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True) -> torch.Tensor:
+        assert self.extend is not None, "init_forward_metadata was not called for this extend batch"
+        if save_kv_cache:
+            pool = forward_batch.token_to_kv_pool
+            store_kv(pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+                     forward_batch.out_cache_loc, k, v)
+        return self._extend(q, k, v, layer, forward_batch, self.extend)
+
+    def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+                forward_batch: ForwardBatch, md: _ExtendMetadata) -> torch.Tensor:
+        fb, pool = forward_batch, forward_batch.token_to_kv_pool
+        out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
+        extend_attention(q, k, v, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+                         fb.req_to_token_pool.req_to_token, fb.req_pool_indices, md.prefix_lens,
+                         md.extend_lens, md.extend_start, layer.scaling, out=out.view(q.shape), plan=md.plan)
+        return out

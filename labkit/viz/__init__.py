@@ -1,0 +1,58 @@
+"""Visualizers drawn from recorded runs (an Engine(enable_trace=True) and its Tracer), never from a
+separate simulation. Figures are matplotlib Figures (returned, not shown: a notebook displays the
+value of a cell), tables are pandas DataFrames.
+
+    run = Run.of(engine)                       # or run_requests(engine, requests) -> Run
+    draw_radix_tree(run, step=5)               # the tree as step 5 left it (engine alone: live now)
+    draw_timeline(run); draw_memory(run); draw_waiting(run)
+    draw_kv_pool(kv_snapshot(engine))          # request-to-token table and page pool, live
+    StationStepper(run, rid).show(); RunReplayer(run).show()   # ipywidgets, static fallback
+
+How the tree is rebuilt per step: the scheduler's trace hook records a compact TreeSnapshot (nodes
+with lock refs) at the end of every step (labkit.trace.snapshot); the step's TreeEvents mark what was
+inserted, split or evicted in it.
+"""
+from labkit.viz.kvpool import (describe_request, draw_kv_pool, fragmentation, kv_snapshot, page_owners,
+                               req_to_token_table)
+from labkit.viz.memory import draw_memory, memory_frame
+from labkit.viz.policies import draw_policy_comparison
+from labkit.viz.run import Run
+from labkit.viz.timeline import batch_frame, cells_frame, draw_timeline, draw_timelines
+from labkit.viz.tree import draw_radix_tree
+from labkit.viz.waiting import draw_waiting, waiting_frame, waiting_table
+from labkit.viz.widgets import RunReplayer, StationStepper, fig_png, widget_frontend
+from labkit.viz.workloads import (Request, bench_policies, chat_requests, latency_table, mini_model_path,
+                                  random_workload, request_metrics, run_policy, run_requests,
+                                  shared_prefix_workload, summarize, token_times)
+
+
+
+def _register_png_formatter() -> None:
+    """Make a returned Figure display as a PNG in IPython even without `%matplotlib inline` (the
+    figures here are not pyplot figures, so pyplot's inline hook never sees them)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    from matplotlib.figure import Figure
+
+    png = shell.display_formatter.formatters["image/png"]
+    try:
+        png.lookup_by_type(Figure)
+    except KeyError:
+        png.for_type(Figure, lambda fig: fig_png(fig, dpi=90))
+
+
+_register_png_formatter()
+
+__all__ = [
+    "Run", "Request", "RunReplayer", "StationStepper", "batch_frame", "bench_policies", "cells_frame",
+    "chat_requests", "describe_request", "draw_kv_pool", "draw_memory", "draw_policy_comparison",
+    "draw_radix_tree", "draw_timeline", "draw_timelines", "draw_waiting", "fragmentation", "kv_snapshot",
+    "latency_table", "memory_frame", "mini_model_path", "page_owners", "random_workload", "req_to_token_table",
+    "request_metrics", "run_policy", "run_requests", "shared_prefix_workload", "summarize", "token_times",
+    "waiting_frame", "waiting_table", "widget_frontend",
+]  # fmt: skip

@@ -1,0 +1,65 @@
+"""decode_attention (split-KV, grouped query heads) against its dense reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit.kernels import decode_attention, decode_kv_splits
+from labkit.kernels.reference import reference_decode_attention
+
+CUDA = torch.cuda.is_available()
+
+# (num_heads, num_kv_heads, head_dim, page_size): GQA ratios 1, 4, 8; head dims 64, 128; pages 1, 16.
+SHAPES = [(4, 4, 64, 1), (8, 2, 128, 16), (8, 1, 64, 16), (4, 4, 128, 16), (8, 2, 64, 1), (8, 1, 128, 1)]
+if CUDA:  # the full grid, and model-sized head counts
+    SHAPES = [(h * k, k, d, p) for h in (1, 4, 8) for k in (1, 2) for d in (64, 128) for p in (1, 16)]
+    SHAPES += [(32, 8, 128, 16), (64, 8, 128, 1), (14, 2, 64, 16), (8, 2, 256, 16), (4, 4, 96, 1)]
+
+
+def _run(shape, seq_lens, num_kv_splits, max_kv_splits, dtype, device, gen, paged_kv):
+    num_heads, num_kv_heads, head_dim, page_size = shape
+    k_buf, v_buf, req_to_token, rows = paged_kv(seq_lens, num_kv_heads, head_dim, page_size, dtype, gen)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen, device=device).to(dtype)
+    seq = torch.tensor(seq_lens, device=device)
+    splits = None if num_kv_splits is None else torch.tensor(num_kv_splits, dtype=torch.int32, device=device)
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    scale = head_dim ** -0.5
+    decode_attention(q, k_buf, v_buf, req_to_token, rows, seq, scale, out=out,
+                     num_kv_splits=splits, max_kv_splits=max_kv_splits)
+    return out, reference_decode_attention(q, k_buf, v_buf, req_to_token, rows, seq, scale)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}-kv{s[1]}-d{s[2]}-page{s[3]}")
+def test_decode_matches_reference_on_ragged_lengths(shape, dtype, device, gen, paged_kv, check_close):
+    """Ragged lengths (1 token up to several pages), each request cut into its own number of splits."""
+    seq_lens = [1, 37, 130] if not CUDA else [1, 37, 130, 1000, 4097, 16]
+    splits = [1, 3, 4] if not CUDA else [1, 3, 4, 8, 16, 2]
+    out, ref = _run(shape, seq_lens, splits, 4 if not CUDA else 16, dtype, device, gen, paged_kv)
+    check_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_long_context_with_default_split_heuristic(page_size, dtype, device, gen, paged_kv, check_close):
+    """A long request alone gets several splits from decode_kv_splits; the merge is exact."""
+    seq_lens = [300] if not CUDA else [32768, 5]
+    out, ref = _run((8, 2, 64, page_size), seq_lens, None, 16, dtype, device, gen, paged_kv)
+    check_close(out, ref, dtype)
+
+
+def test_decode_tolerates_empty_splits(dtype, device, gen, paged_kv, check_close):
+    """5 tokens in 4 splits of ceil(5/4) = 2: the last split is empty and must drop out of the merge."""
+    out, ref = _run((4, 2, 64, 1), [5, 2], [4, 2], 4, dtype, device, gen, paged_kv)
+    check_close(out, ref, dtype)
+
+
+def test_split_heuristic_fills_the_device_but_respects_length():
+    seq = torch.tensor([1, 64, 65, 10_000])
+    splits, bound = decode_kv_splits(seq, num_heads=32, num_kv_heads=8, device_sms=132, max_kv_splits=16,
+                                     programs_per_sm=2)
+    # 4 requests x 8 KV heads = 32 programs per split; 2 x 132 SMs wants ceil(264/32) = 9 splits.
+    assert bound == 9 and splits.tolist() == [1, 1, 2, 9]
+    assert splits.dtype == torch.int32
+    splits, bound = decode_kv_splits(torch.full((512,), 10_000), 32, 8, 132, 16, programs_per_sm=2)
+    assert bound == 1 and splits.max().item() == 1  # enough programs already: no split
+    splits, bound = decode_kv_splits(torch.tensor([100_000]), 32, 8, 132, 16, programs_per_sm=2)
+    assert bound == 16 and splits.tolist() == [16]  # capped

@@ -1,0 +1,51 @@
+"""rotary_embedding against its reference and labkit's apply_rope (the convention models use)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit.kernels import rotary_embedding
+from labkit.kernels.reference import cos_sin_cache, reference_rotary_embedding
+from labkit.layers.rotary import RotaryEmbedding, apply_rope
+
+
+def _inputs(num_heads, num_kv_heads, head_dim, dtype, device, gen, fused=False):
+    t = 7
+    if fused:  # strided views into a fused projection
+        qk = torch.randn(t, (num_heads + num_kv_heads) * head_dim, generator=gen, device=device).to(dtype)
+        q = qk[:, :num_heads * head_dim].view(t, num_heads, head_dim)
+        k = qk[:, num_heads * head_dim:].view(t, num_kv_heads, head_dim)
+    else:
+        q = torch.randn(t, num_heads, head_dim, generator=gen, device=device).to(dtype)
+        k = torch.randn(t, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
+    positions = torch.randint(0, 4096, (t,), generator=gen, device=device)
+    return positions, q, k
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4), (14, 2)], ids=lambda h: f"h{h[0]}-kv{h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_matches_reference(heads, head_dim, dtype, device, gen, check_close):
+    rope = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": 10000.0}, 4096)
+    cache = cos_sin_cache(rope._inv_freq_cpu.to(device), 4096)
+    positions, q, k = _inputs(*heads, head_dim, dtype, device, gen, fused=True)
+    q_ref, k_ref = reference_rotary_embedding(positions, q, k, cache)
+    q_out, k_out = rotary_embedding(positions, q, k, cache)
+    check_close(q_out, q_ref, dtype)
+    check_close(k_out, k_ref, dtype)
+    q_in, k_in = q.clone(), k.clone()  # in place: the inputs themselves become the result
+    q_ip, k_ip = rotary_embedding(positions, q_in, k_in, cache, inplace=True)
+    assert q_ip is q_in and k_ip is k_in
+    check_close(q_in, q_ref, dtype)
+    check_close(k_in, k_ref, dtype)
+
+
+def test_rope_follows_labkit_apply_rope(device, gen, check_close):
+    """Same convention (neox, rotate halves; llama3 frequency scaling included) as the model layers."""
+    params = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    rope = RotaryEmbedding(64, params, 4096)
+    positions, q, k = _inputs(8, 2, 64, torch.float32, device, gen)
+    q_ref, k_ref = apply_rope(q, k, *rope.cos_sin(positions, torch.float32))
+    q_out, k_out = rotary_embedding(positions, q, k, cos_sin_cache(rope._inv_freq_cpu.to(device), 4096))
+    check_close(q_out, q_ref, torch.float32, scale=10)  # cos/sin of large angles: a few float32 ulps
+    check_close(k_out, k_ref, torch.float32, scale=10)

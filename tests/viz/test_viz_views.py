@@ -1,0 +1,169 @@
+"""The static views, checked against the records of a real run and the live engine objects."""
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from labkit import Engine
+from labkit.viz import (batch_frame, cells_frame, draw_kv_pool, draw_memory, draw_radix_tree, draw_timeline,
+                        draw_timelines, draw_waiting, kv_snapshot, memory_frame, page_owners, req_to_token_table,
+                        waiting_frame, waiting_table)
+from labkit.viz.memory import CATEGORIES
+from labkit.viz.run import Run
+
+
+def render(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=40)
+    assert buf.getvalue()[:4] == b"\x89PNG"
+    return buf.getvalue()
+
+
+# ---- radix tree -----------------------------------------------------------------------------------
+def test_snapshots_agree_with_the_pool_accounting(tiny_run):
+    """Per step, the recorded tree's evictable/protected tokens are what the scheduler counted."""
+    assert [s.step for s in tiny_run.tracer.snapshots] == tiny_run.step_ids
+    for s in tiny_run.steps:
+        tree = tiny_run.tree_at(s.step)
+        assert (tree.evictable, tree.protected) == (s.pool.evictable, s.pool.protected), s.step
+
+
+def test_tree_figure_has_one_box_per_radix_node(tiny_run):
+    steps = [s.step for s in tiny_run.steps]
+    changed = [k for k in steps if tiny_run.tree_events(k)]
+    for k in sorted({steps[0], steps[-1], *changed[:: max(1, len(changed) // 6)]}):
+        fig = draw_radix_tree(tiny_run, step=k)
+        snap = tiny_run.tree_at(k)
+        ax = fig.axes[0]
+        boxes = [p for p in ax.patches if (p.get_gid() or "").startswith("node-")]
+        assert sorted(int(p.get_gid()[5:]) for p in boxes) == sorted(n.id for n in snap.nodes)
+        ghosts = {int(p.get_gid()[8:]) for p in ax.patches if (p.get_gid() or "").startswith("evicted-")}
+        assert ghosts == {e.node_id for e in tiny_run.tree_events(k) if e.kind == "evict"}
+    evict_step = next(k for k in steps if any(e.kind == "evict" for e in tiny_run.tree_events(k)))
+    render(draw_radix_tree(tiny_run, step=evict_step))
+
+
+def test_live_tree_is_the_cache_now(tiny_engine, tiny_run):
+    fig = draw_radix_tree(tiny_engine)
+    assert set(fig.labkit_nodes) == {n.id for n in tiny_engine.tree_cache.nodes()}
+
+
+def test_tree_of_a_few_hundred_nodes_stays_bounded(tiny):
+    engine = Engine(enable_trace=True, max_total_tokens=8192, **tiny)
+    for a in range(20):  # a three-level tree: 20 x 4 x 3 leaves, ~340 nodes
+        for b in range(4):
+            for c in range(3):
+                engine.add_request(input_ids=[10 + a] * 3 + [50 + b] * 2 + [100 + c, 3 + a + b],
+                                   sampling_params={"max_new_tokens": 1})
+    engine.run_until_done()
+    fig = draw_radix_tree(engine)
+    n = sum(1 for _ in engine.tree_cache.nodes())
+    assert n > 250 and len(fig.labkit_nodes) == n
+    assert fig.get_figheight() < 45  # rows shrink instead of growing without bound
+    render(fig)
+
+
+# ---- timeline -------------------------------------------------------------------------------------
+def test_timeline_has_one_row_per_request(tiny_run):
+    rids = [r for r in tiny_run.results]
+    assert sorted(tiny_run.rids) == sorted(rids)
+    for x in ("step", "time"):
+        fig = draw_timeline(tiny_run, x=x)
+        labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+        assert labels == tiny_run.rids
+    fig = draw_timelines([tiny_run, tiny_run], ["a", "b"])
+    assert all(len(ax.get_yticklabels()) == len(rids) for ax in fig.axes)
+    render(fig)
+
+
+def test_timeline_cells_follow_the_step_records(tiny_run):
+    cells = cells_frame(tiny_run)
+    assert set(cells["phase"]) == {"queued", "prefill", "decode", "stalled"}
+    for s in tiny_run.steps:  # exactly the batch's requests compute in a step
+        computing = cells[(cells["step"] == s.step) & cells["phase"].isin(["prefill", "decode"])]
+        assert sorted(computing["rid"]) == sorted(s.rids)
+        assert computing["tokens"].sum() == s.num_tokens
+    for rid, res in tiny_run.results.items():  # the prompt is computed, less what was cached
+        prefill = cells[(cells["rid"] == rid) & (cells["phase"] == "prefill")]["tokens"].sum()
+        meta = res["meta_info"]
+        assert prefill >= meta["prompt_tokens"] - meta["cached_tokens"]
+        decodes = (cells[(cells["rid"] == rid)]["phase"] == "decode").sum()
+        # every finished prefill (the first, and one after each retraction) samples a token too
+        assert decodes + 1 + meta["retractions"] == meta["completion_tokens"]
+    frame = batch_frame(tiny_run)
+    assert (frame["prefill_tokens"] + frame["decode_tokens"]).tolist() == [s.num_tokens for s in tiny_run.steps]
+
+
+# ---- memory ---------------------------------------------------------------------------------------
+def test_memory_categories_sum_to_the_pool_every_step(tiny_run):
+    df = memory_frame(tiny_run)
+    assert len(df) == len(tiny_run.steps)
+    assert (df[list(CATEGORIES)].sum(axis=1) == df["total"]).all()
+    assert df["evicted_tokens"].sum() == sum(e.num_tokens for e in tiny_run.tracer.tree_events if e.kind == "evict")
+    assert any(df["retracted"].map(len))
+    fig = draw_memory(tiny_run)
+    layers = [c for c in fig.axes[0].collections if (c.get_gid() or "").startswith("mem-")]
+    assert [c.get_gid() for c in layers] == [f"mem-{c}" for c in CATEGORIES]
+    assert layers[-1].get_paths()[0].vertices[:, 1].max() == df["total"].iloc[0]  # the stack tops out at the pool
+    render(fig)
+
+
+# ---- request-to-token table and page pool ---------------------------------------------------------
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_req_to_token_view_marks_shared_slots(page_size, tiny):
+    engine = Engine(enable_trace=True, max_total_tokens=256, page_size=page_size, **tiny)
+    prefix = list(range(10, 30))
+    params = {"max_new_tokens": 8, "ignore_eos": True}
+    engine.add_request(input_ids=prefix + [40, 41], sampling_params=params, rid="a")
+    engine.step()
+    engine.add_request(input_ids=prefix + [50, 51, 52], sampling_params=params, rid="b")
+    engine.add_request(input_ids=prefix + [60], sampling_params=params, rid="c")
+    for _ in range(3):
+        engine.step()
+    snap = kv_snapshot(engine)
+    table = req_to_token_table(snap)
+    assert sorted(set(table["rid"])) == ["a", "b", "c"]
+    for r in snap.requests:  # the table is the live req_to_token row
+        row = engine.req_to_token_pool.req_to_token[r.req_pool_idx, : len(r.slots)].tolist()
+        assert table[table["rid"] == r.rid]["slot"].tolist() == row
+    shared = table[table["owner"] == "shared"]
+    aligned = len(prefix) // page_size * page_size
+    assert set(shared["position"]) == set(range(aligned))  # the common prefix, whole pages only
+    assert (shared.groupby("position")["slot"].nunique() == 1).all()  # one slot for all readers
+    fig = draw_kv_pool(snap)
+    gids = [p.get_gid() or "" for p in fig.axes[0].patches]
+    assert sum(g.startswith("shared-") for g in gids) == len(shared)
+    pages = page_owners(snap)
+    assert "unaccounted" not in set(pages["owner"])
+    assert (pages["owner"] == "free").sum() * page_size == engine.allocator.available_size()
+    assert (pages["owner"] == "shared").sum() == aligned // page_size
+    render(fig)
+
+
+# ---- why still waiting ----------------------------------------------------------------------------
+def test_waiting_view_lists_the_blocked_requests_of_each_step(tiny_run):
+    df = waiting_frame(tiny_run)
+    cats = set()
+    for s in tiny_run.steps:
+        rows = df[df["step"] == s.step]
+        assert set(s.blocked) <= set(rows["rid"])
+        for rid, reason in s.blocked.items():
+            assert rows[rows["rid"] == rid]["reason"].iloc[0] == reason
+        snap = tiny_run.snapshot(s.step)
+        assert {w.rid for w in snap.waiting} <= set(rows["rid"])
+        cats |= set(rows["category"])
+    assert {"running-request cap", "KV memory", "retracted this step"} <= cats
+    assert "other" not in cats
+    step = next(s.step for s in tiny_run.steps if len(s.blocked) >= 2)
+    table = waiting_table(tiny_run, step)
+    assert set(table["rid"]) >= set(tiny_run.step_record(step).blocked)
+    fig = draw_waiting(tiny_run)
+    bars = [p.get_gid() for p in fig.axes[0].patches if (p.get_gid() or "").startswith("wait-")]
+    assert len(bars) == len(df)
+    render(fig)
+
+
+def test_run_of_requires_a_trace(tiny):
+    with pytest.raises(ValueError):
+        Run.of(Engine(max_total_tokens=64, **tiny))

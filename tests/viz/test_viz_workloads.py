@@ -1,0 +1,52 @@
+"""Workload helpers: static-batching emulation, sequential arrival, policy runs and orders."""
+from __future__ import annotations
+
+from labkit import Engine
+from labkit.viz import Request, random_workload, run_policy, run_requests, shared_prefix_workload
+from labkit.viz.workloads import bench_policies, latency_table, policy_orders, token_times
+
+
+def test_static_batching_admits_a_group_only_when_the_last_one_finished(tiny):
+    engine = Engine(enable_trace=True, max_total_tokens=1024, **tiny)
+    reqs = random_workload(num=7, input_len=(4, 12), output_len=(2, 9), vocab_size=256)
+    run = run_requests(engine, reqs, static_batch_size=3)
+    groups = [{r.rid for r in reqs[i:i + 3]} for i in range(0, 7, 3)]
+    live: set[str] = set()
+    for s in run.steps:
+        live |= set(s.rids)
+        assert any(live <= g for g in groups), (s.step, live)
+        live -= set(s.finished)
+    assert set(run.results) == {r.rid for r in reqs}
+    assert run.steps[0].step == 1  # a fresh run numbers its steps from 1
+    cont = run_requests(engine, reqs)
+    assert len(cont.steps) < len(run.steps)
+    assert {rid: r["output_ids"] for rid, r in cont.results.items()}.keys() == set(run.results)
+
+
+def test_sequential_and_timed_arrivals(tiny):
+    engine = Engine(enable_trace=True, max_total_tokens=1024, **tiny)
+    reqs = [Request(f"s{i}", input_ids=[5 + i] * 6, sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+            for i in range(3)]
+    run = run_requests(engine, reqs, sequential=True)
+    assert all(len(s.rids) <= 1 for s in run.steps)
+    times = token_times(run)
+    assert len(times) == 9 and times.groupby("rid")["gap_ms"].count().tolist() == [2, 2, 2]
+    table = latency_table(run)
+    assert list(table.index) == ["s0", "s1", "s2"] and (table["completion_tokens"] == 3).all()
+
+
+def test_policy_runs_are_repeatable_and_lpm_groups_prefixes(tiny):
+    engine = Engine(max_total_tokens=80, max_running_requests=2, **tiny)
+    reqs = shared_prefix_workload(num_groups=4, per_group=3, prefix_len=24, question_len=4, output_len=(2, 6),
+                                  vocab_size=256)
+    a, b = run_policy(engine, "fcfs", reqs), run_policy(engine, "fcfs", reqs)
+    assert (a["cache_hit_rate"], a["prefill_tokens"]) == (b["cache_hit_rate"], b["prefill_tokens"])
+    lpm = run_policy(engine, "lpm", reqs)
+    assert lpm["cache_hit_rate"] > a["cache_hit_rate"]
+    table = bench_policies(engine, {"shared": reqs}, ["fcfs", "lpm"])
+    assert list(table["policy"]) == ["fcfs", "lpm"] and {"total_tok_s", "ttft_mean_s"} <= set(table.columns)
+    # orders from a cache that holds group 0's prefix
+    run_requests(engine, reqs[:1])
+    order = policy_orders(engine, [r for r in reqs if r.rid.endswith("-q1")], ["fcfs", "lpm"])
+    assert order["lpm"].iloc[0].startswith("g0-q1 (24)")
+    assert not engine.scheduler.has_work() and not engine.results
