@@ -31,6 +31,10 @@ ENGINE_HELP = {
     "disable_radix_cache": "no prefix sharing (ChunkCache)",
     "schedule_conservativeness": "scales the decode reservation of admitted requests",
     "attention_backend": "auto (triton on CUDA, torch_native on CPU), torch_native or triton",
+    "cuda_graph_max_bs": "largest decode batch run from a captured CUDA graph (CUDA with the triton backend); "
+                         "larger batches run eagerly",
+    "disable_cuda_graph": "never capture CUDA graphs: every decode step runs eagerly",
+    "enable_torch_compile": "torch.compile the decode forward (not supported yet: the engine refuses it)",
 }
 HIDDEN_ENGINE_FIELDS = {"enable_trace"}  # set by --trace-file
 

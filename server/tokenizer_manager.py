@@ -106,14 +106,20 @@ class TokenizerManager:
                      is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[ReqOutput]:
         """Yield the request's outputs until it finishes. Raises ServerDeadError if serving stopped.
         Leaving early (disconnect, cancellation, an error) aborts the request in the scheduler."""
+        checked = time.perf_counter()
         try:
             while True:
                 try:
                     await asyncio.wait_for(state.event.wait(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
-                    if is_disconnected is not None and await is_disconnected():
+                    pass
+                # Checked by the clock, not only on timeouts: outputs may arrive faster than the poll.
+                if is_disconnected is not None and time.perf_counter() - checked >= DISCONNECT_POLL_S:
+                    checked = time.perf_counter()
+                    if await is_disconnected():
                         logger.info("client of %s disconnected; aborting it", state.rid)
                         return
+                if not state.event.is_set():
                     continue
                 state.event.clear()
                 if state.error is not None:

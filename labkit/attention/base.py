@@ -69,6 +69,40 @@ class AttentionBackend(ABC):
         forward_batch: ForwardBatch, save_kv_cache: bool = True,
     ) -> torch.Tensor: ...
 
+    # ---- CUDA graphs (decode only). A backend that cannot be captured keeps these defaults, and the
+    # ModelRunner then runs every decode eagerly. The sequence the CudaGraphRunner follows:
+    #   init_cuda_graph_state(max_bs)                          once
+    #   init_forward_metadata_capture_cuda_graph(fb_bs)        once per captured batch size bs, then
+    #       eager warm-up forwards and the captured forward of fb_bs
+    #   init_forward_metadata_replay_cuda_graph(fb_bs)         before every replay of that graph
+    # fb_bs is the same ForwardBatch object each time for one bs: DECODE, batch_size bs, its tensors
+    # views of the runner's static buffers (rewritten in place before each replay, padded rows
+    # included: a padded row has seq_len >= 1, a valid req_pool_idx and out_cache_loc 0, the
+    # reserved slot). Its *_cpu lists are placeholders and must not be read by these hooks or by
+    # forward_decode in graph mode (they would be baked into the graph).
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        """Allocate, once, every buffer that captured kernels will read or write as metadata
+        (sized for batches of up to max_bs requests). Raise NotImplementedError when this backend
+        cannot run inside a CUDA graph (the default)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        """Set up the metadata of the next forwards (warm-up and capture) of this batch size, in
+        place of `init_forward_metadata`. Must guarantee: every tensor the per-layer calls then
+        read or write, other than the forward's own inputs and activations, is a view of the
+        buffers of `init_cuda_graph_state` (so the addresses baked into the graph stay valid), the
+        launch configuration (grids, block sizes) depends on the batch size only, and nothing
+        forces a host-device sync."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        """Before a replay: recompute the metadata of this step from forward_batch's (already
+        refilled) tensors, writing it in place into the buffers the graph captured. Must not
+        allocate anything the graph reads, change shapes, or sync with the host; the result must
+        equal what `init_forward_metadata` would give for the same padded batch."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
         forward_batch: ForwardBatch, save_kv_cache: bool = True,

@@ -4,7 +4,11 @@ A thin adapter: `init_forward_metadata` prepares, once per forward, the index te
 reuses (split counts and the stage-1 workspace for decode; per-request prefix/extend lengths, row
 offsets and the tile plan for extend and mixed batches); each layer then stores its new K/V with
 `store_kv` and runs `decode_attention` (DECODE) or `extend_attention` (EXTEND, MIXED: one-token
-requests are extends of length 1). Without CUDA the kernels run in Triton's interpreter (slow)."""
+requests are extends of length 1). Without CUDA the kernels run in Triton's interpreter (slow).
+
+Decode can run inside a CUDA graph (see the hooks in AttentionBackend): the split counts and the
+stage-1 workspace then live in buffers allocated once for the largest captured batch, the grid's
+split bound depends on the batch size alone, and a replay rewrites the split counts in place."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,7 +43,8 @@ class _DecodeMetadata:
     max_kv_splits: int  # their bound (the grid's split axis)
     mid_o: torch.Tensor  # [bs, H, max_kv_splits, D] float32 workspace
     mid_lse: torch.Tensor  # [bs, H, max_kv_splits] float32 workspace
-    as_extend: _ExtendMetadata  # the same batch as extends of one token (for save_kv_cache=False)
+    # The same batch as extends of one token (for save_kv_cache=False); None inside a CUDA graph.
+    as_extend: _ExtendMetadata | None
 
 
 @register_attention_backend("triton")
@@ -54,6 +59,11 @@ class TritonAttnBackend(AttentionBackend):
         self.num_sms = num_sms(self.device)
         self.extend: _ExtendMetadata | None = None
         self.decode: _DecodeMetadata | None = None
+        # CUDA graph state (init_cuda_graph_state): buffers for up to graph_max_bs requests.
+        self.graph_max_bs = 0
+        self.graph_num_kv_splits: torch.Tensor | None = None
+        self.graph_mid_o: torch.Tensor | None = None
+        self.graph_mid_lse: torch.Tensor | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
@@ -84,12 +94,44 @@ class TritonAttnBackend(AttentionBackend):
                                     ExtendPlan.one_token_each(bs, c.head_dim, self.device))
         return _DecodeMetadata(splits, bound, mid_o, mid_lse, as_extend)
 
+    # ---- CUDA graphs ---------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        c = self.config
+        self.graph_max_bs = max_bs
+        self.graph_num_kv_splits = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+        self.graph_mid_o = torch.empty(max_bs, c.num_heads, self.max_kv_splits, c.head_dim,
+                                       dtype=torch.float32, device=self.device)
+        self.graph_mid_lse = torch.empty(max_bs, c.num_heads, self.max_kv_splits, dtype=torch.float32,
+                                         device=self.device)
+
+    def _graph_splits(self, fb: ForwardBatch) -> tuple[torch.Tensor, int]:
+        c = self.config
+        if not 0 < fb.batch_size <= self.graph_max_bs:
+            raise ValueError(f"batch of {fb.batch_size} outside the CUDA graph buffers (1..{self.graph_max_bs}); "
+                             "was init_cuda_graph_state called?")
+        # The bound comes from the (padded) batch size alone, so it is the same at every replay.
+        return decode_kv_splits(fb.seq_lens, c.num_heads, c.num_kv_heads, self.num_sms, self.max_kv_splits)
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        fb, bs = forward_batch, forward_batch.batch_size
+        splits, bound = self._graph_splits(fb)
+        self.graph_num_kv_splits[:bs].copy_(splits)  # valid counts for the warm-up forwards too
+        self.extend = None
+        self.decode = _DecodeMetadata(self.graph_num_kv_splits[:bs], bound, self.graph_mid_o[:bs],
+                                      self.graph_mid_lse[:bs], as_extend=None)
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        splits, _ = self._graph_splits(forward_batch)
+        self.graph_num_kv_splits[:forward_batch.batch_size].copy_(splits)
+
+    # ---- per layer ----------------------------------------------------------------------------
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: AttentionLayerSpec, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True) -> torch.Tensor:
         md = self.decode
         assert md is not None, "init_forward_metadata was not called for this decode batch"
         if not save_kv_cache:  # the new tokens are not in the pool: read them from k, v
+            assert md.as_extend is not None, "save_kv_cache=False is not supported in a CUDA graph"
             return self._extend(q, k, v, layer, forward_batch, md.as_extend)
         fb, pool = forward_batch, forward_batch.token_to_kv_pool
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)

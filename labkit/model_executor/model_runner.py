@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -10,9 +11,13 @@ from labkit.attention import AttentionBackendConfig, get_attention_backend, reso
 from labkit.config import EngineConfig
 from labkit.mem_cache.allocator import TokenToKVPoolAllocator
 from labkit.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from labkit.model_executor.cuda_graph_runner import CudaGraphRunner
 from labkit.model_executor.forward_batch import ForwardBatch
 from labkit.model_loader.loader import load_model
 from labkit.sampling.sampler import Sampler, SamplingBatchInfo
+
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,6 +66,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, tokenizer=None, model_dir: Path | None = None):
         if config.page_size < 1:
             raise ValueError("page_size must be >= 1")
+        if config.enable_torch_compile:
+            raise ValueError("enable_torch_compile is not supported yet")
+        if config.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {config.cuda_graph_max_bs}")
         self.config = config
         self.device = resolve_device(config.device)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
@@ -88,6 +97,19 @@ class ModelRunner:
             page_size=config.page_size, max_context_len=self.context_len,
             max_batch_size=config.max_running_requests, dtype=self.dtype, device=self.device))
         self.sampler = Sampler()
+        self.cuda_graph_runner: CudaGraphRunner | None = self._build_cuda_graph_runner()
+
+    def _build_cuda_graph_runner(self) -> CudaGraphRunner | None:
+        """Decode CUDA graphs: on CUDA, unless disabled, with a backend that supports them (triton;
+        torch_native's per-request Python is not capturable). Silently none on CPU."""
+        if self.device.type != "cuda" or self.config.disable_cuda_graph:
+            return None
+        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
+        try:
+            return CudaGraphRunner(self, max_bs)
+        except NotImplementedError as e:
+            logger.info("CUDA graphs off: %s", e)
+            return None
 
     def _pool_size(self, cfg, head_dim: int) -> int:
         page = self.config.page_size
@@ -102,14 +124,15 @@ class ModelRunner:
         return size
 
     def build_forward_batch(self, batch) -> ForwardBatch:
-        def t(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
-
         seq_lens = batch.seq_lens
+        # One host-to-device copy for the four index lists, then views of it.
+        parts = (batch.input_ids, batch.positions, batch.req_pool_indices, seq_lens)
+        flat = torch.tensor([v for part in parts for v in part], dtype=torch.int64).to(self.device)
+        input_ids, positions, req_pool_indices, seq_lens_t = flat.split([len(p) for p in parts])
         return ForwardBatch(
             forward_mode=batch.forward_mode, batch_size=len(batch.reqs),
-            input_ids=t(batch.input_ids), positions=t(batch.positions),
-            req_pool_indices=t(batch.req_pool_indices), seq_lens=t(seq_lens),
+            input_ids=input_ids, positions=positions,
+            req_pool_indices=req_pool_indices, seq_lens=seq_lens_t,
             out_cache_loc=batch.out_cache_loc.to(self.device), seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=batch.prefix_lens, extend_seq_lens_cpu=batch.extend_lens,
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
@@ -118,7 +141,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Next-token logits [batch_size, vocab] (float32) for the last token of every request."""
+        """Next-token logits [batch_size, vocab] (float32) for the last token of every request.
+        Decode batches up to the largest captured size replay a CUDA graph; the rest run eagerly."""
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+            return self.cuda_graph_runner.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

@@ -133,7 +133,7 @@ def test_64_concurrent_streams_match_sequential_greedy(server, client):
     async def one(http: httpx.AsyncClient, prompt: str) -> str:
         text = ""
         async with http.stream("POST", "/v1/completions", json={
-                "model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True}) as resp:
+                "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}) as resp:
             assert resp.status_code == 200
             async for line in resp.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
@@ -145,7 +145,7 @@ def test_64_concurrent_streams_match_sequential_greedy(server, client):
             return await asyncio.gather(*(one(http, p) for p in prompts))
 
     concurrent = asyncio.run(all_at_once())
-    sequential = [client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
+    sequential = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
                   for p in prompts]
     assert concurrent == sequential
     server.wait_idle()

@@ -1,0 +1,443 @@
+"""GPU offline throughput: the nano-vllm / mini-sglang workload, labkit against transformers and the
+roofline, in one process and one run.
+
+    python -m labkit.bench.offline_gpu [--num-seqs 256] [--min-len 100] [--max-len 1024] [--json out.json]
+
+Workload: --num-seqs sequences of random token ids (seeded), input and output lengths each uniform in
+[min-len, max-len], greedy, EOS ignored (each request makes exactly its output length), random
+weights of a data/configs shape (default qwen3-0.6b) in bfloat16. In the same run:
+
+- labkit (`Engine(model_path=..., load_format="dummy")`, CUDA graphs for decode), with a per-step
+  breakdown: forward and sampling GPU time (CUDA events), time in the forward and sampling calls on
+  the host, the rest of the scheduler step on the host, and GPU idle time;
+- transformers continuous batching (`ContinuousBatchingManager`, attn_implementation "paged|sdpa",
+  each request with its own max_new_tokens) and padded `generate` (sdpa, left padding) on the first
+  --hf-padded-seqs requests; each peer stops at --hf-max-seconds and is then reported as capped;
+- the roofline: every decode step must read all weights plus the KV of every running sequence
+  from HBM (bandwidth measured here by a device-to-device copy); prefill needs its FLOPs at the
+  bf16 matrix rate measured here. Reported as achieved % (floor time / measured time);
+- batch-1 decode time per output token for --batch1-models, with and without CUDA graphs.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from labkit import Engine
+from labkit.bench.offline import make_requests
+from labkit.model_loader.loader import CONFIGS_DIR
+
+
+@dataclass
+class Run:
+    system: str
+    requests: int
+    output_tokens: int
+    seconds: float
+    note: str = ""
+
+    @property
+    def throughput(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class StepStats:
+    """Per scheduler step, split by forward mode (times in seconds)."""
+
+    steps: int = 0
+    wall: float = 0.0
+    forward_gpu: float = 0.0
+    sample_gpu: float = 0.0
+    forward_call: float = 0.0  # host time inside ModelRunner.forward (copies, launches, replay)
+    sample_call: float = 0.0  # host time inside ModelRunner.sample (sampling info, launches)
+    tokens: int = 0  # tokens run through the model
+    kv_tokens_read: int = 0  # decode: sum of seq_lens (KV rows every step must read)
+    graph_steps: int = 0
+
+
+@dataclass
+class Profile:
+    decode: StepStats = field(default_factory=StepStats)
+    extend: StepStats = field(default_factory=StepStats)
+    prefill_attn_pairs: int = 0  # sum over prefill tokens of the context each attends to
+
+
+def make_workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts (offline.make_requests: random ids, lengths uniform in [lo, hi]) and output lengths."""
+    prompts = make_requests(n, lo, hi, vocab, seed)
+    rng = random.Random(seed + 1)
+    return prompts, [rng.randint(lo, hi) for _ in range(n)]
+
+
+def free_cuda() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ---- ceilings ---------------------------------------------------------------------------------
+def measure_ceilings(device: torch.device) -> tuple[float, float]:
+    """(HBM bandwidth in bytes/s from a 2 GiB device-to-device copy, counting read + write;
+    bf16 matrix rate in FLOP/s from an 8192^3 product of random matrices)."""
+    from triton.testing import do_bench
+
+    n = 1 << 30  # bf16 elements: 2 GiB
+    src = torch.randn(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
+    bandwidth = 2 * src.numel() * src.element_size() / (ms * 1e-3)
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    ms = do_bench(lambda: a @ b, warmup=50, rep=200, return_mode="median")
+    rate = 2 * 8192 ** 3 / (ms * 1e-3)
+    del a, b
+    free_cuda()
+    return bandwidth, rate
+
+
+# ---- labkit -----------------------------------------------------------------------------------
+def instrument(engine: Engine, profile: Profile):
+    """Wrap the scheduler step and the model runner's forward / sample calls with host timers and
+    CUDA events (read after the run, so the steps are not slowed by extra syncs). Returns the
+    function that reads the events into `profile` once the run is over."""
+    runner, scheduler = engine.model_runner, engine.scheduler
+    forward, sample, step = runner.forward, runner.sample, scheduler.step
+    current: dict = {}
+    pending: list[tuple[StepStats, torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def timed_forward(fb):
+        stats = profile.decode if fb.forward_mode.is_decode() else profile.extend
+        current["stats"] = stats
+        stats.tokens += fb.num_tokens
+        if fb.forward_mode.is_decode():
+            stats.kv_tokens_read += sum(fb.seq_lens_cpu)
+            graphs = runner.cuda_graph_runner
+            stats.graph_steps += int(graphs is not None and graphs.can_run(fb))
+        else:
+            for prefix, n in zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
+                profile.prefill_attn_pairs += n * prefix + n * (n + 1) // 2
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        t0 = time.perf_counter()
+        out = forward(fb)
+        stats.forward_call += time.perf_counter() - t0
+        e1.record()
+        current["events"] = (e0, e1)
+        return out
+
+    def timed_sample(logits, reqs):
+        t0 = time.perf_counter()
+        out = sample(logits, reqs)
+        e2 = torch.cuda.Event(enable_timing=True)
+        e2.record()
+        stats = current["stats"]
+        stats.sample_call += time.perf_counter() - t0
+        pending.append((stats, *current["events"], e2))
+        return out
+
+    def timed_step():
+        current.clear()
+        t0 = time.perf_counter()
+        out = step()
+        if "stats" in current:
+            current["stats"].steps += 1
+            current["stats"].wall += time.perf_counter() - t0
+        return out
+
+    def resolve() -> None:
+        torch.cuda.synchronize()
+        for stats, e0, e1, e2 in pending:
+            stats.forward_gpu += e0.elapsed_time(e1) * 1e-3
+            stats.sample_gpu += e1.elapsed_time(e2) * 1e-3
+        pending.clear()
+
+    runner.forward, runner.sample, scheduler.step = timed_forward, timed_sample, timed_step
+    return resolve
+
+
+def build_engine(model: str, args, **overrides) -> Engine:
+    options = dict(model_path=model, load_format="dummy", dtype="bfloat16", page_size=args.page_size,
+                   kv_memory_gb=args.kv_memory_gb, max_running_requests=args.max_running_requests,
+                   cuda_graph_max_bs=args.cuda_graph_max_bs)
+    return Engine(**{**options, **overrides})
+
+
+def weight_bytes(engine: Engine) -> int:
+    """Parameter bytes a decode step reads: all of them, except an untied embedding table (only
+    the batch's rows of it are read)."""
+    model = engine.model_runner.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if getattr(model, "lm_head", None) is not None:
+        embed = model.model.embed_tokens.weight
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def warm_up(engine: Engine, vocab: int, seed: int) -> None:
+    """Compile every Triton kernel variant the run will need (lengths with and without the
+    multiple-of-16 specialization), outside the timing."""
+    prompts, _ = make_workload(24, 1, 300, vocab, seed + 99)
+    params = [{"temperature": 0, "max_new_tokens": 1 + i % 12, "ignore_eos": True} for i in range(24)]
+    engine.generate(input_ids=prompts, sampling_params=params)
+    engine.flush_cache()
+
+
+def bench_labkit(args, prompts, out_lens) -> tuple[Run, Profile, Engine]:
+    engine = build_engine(args.model, args)
+    vocab = engine.model_runner.vocab_size
+    warm_up(engine, vocab, args.seed)
+    profile = Profile()
+    resolve = instrument(engine, profile)
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in out_lens]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    seconds = time.perf_counter() - start
+    resolve()
+    made = [len(o["output_ids"]) for o in outs]
+    if made != out_lens:
+        raise RuntimeError("labkit produced the wrong number of tokens")
+    graphs = engine.model_runner.cuda_graph_runner
+    note = f"CUDA graphs bs<={graphs.max_bs}" if graphs else "no CUDA graphs"
+    return Run("labkit", len(prompts), sum(made), seconds, note), profile, engine
+
+
+def batch1_ms_per_token(model: str, args, graphs: bool, prompt: list[int], n: int) -> tuple[float, int]:
+    """(ms per output token after the first, weight bytes) of one request alone."""
+    engine = build_engine(model, args, disable_cuda_graph=not graphs, cuda_graph_max_bs=1, kv_memory_gb=2.0)
+    nbytes = weight_bytes(engine)
+    params = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+    engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 8})  # warm-up
+    engine.flush_cache()
+    meta = engine.generate(input_ids=prompt, sampling_params=params)["meta_info"]
+    del engine
+    free_cuda()
+    return (meta["timestamps"]["finished"] - meta["timestamps"]["first_token"]) / (n - 1) * 1e3, nbytes
+
+
+# ---- transformers -----------------------------------------------------------------------------
+def hf_model(model: str, attn: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(CONFIGS_DIR / f"{model}.json")
+    with torch.device("cuda"):
+        m = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn)
+    m.generation_config.eos_token_id = None  # ignore EOS, like labkit's ignore_eos
+    return m.eval()
+
+
+def bench_hf_continuous(args, prompts, out_lens) -> Run:
+    """transformers' continuous batching as generate_batch runs it (a warmed-up manager from
+    continuous_batching_context_manager, sized by WorkloadHints), but each request added with its
+    own max_new_tokens (generate_batch takes one for all)."""
+    from transformers import GenerationConfig
+
+    model = hf_model(args.model, "paged|sdpa")
+    gen = GenerationConfig(max_new_tokens=max(out_lens), do_sample=False, eos_token_id=None, pad_token_id=0)
+    kwargs = {}
+    try:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        kwargs["workload_hints"] = WorkloadHints(max_prompt_length=max(map(len, prompts)),
+                                                 max_generated_length=max(out_lens))
+    except ImportError:
+        pass
+    done: dict[str, int] = {}
+    with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=30,
+                                                   **kwargs) as manager:
+        start = time.perf_counter()
+        for i, (p, n) in enumerate(zip(prompts, out_lens)):
+            manager.add_request(input_ids=p, request_id=f"r{i}", max_new_tokens=n)
+        while len(done) < len(prompts) and time.perf_counter() - start < args.hf_max_seconds:
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done[result.request_id] = len(result.generated_tokens)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("the continuous batching thread stopped")
+        seconds = time.perf_counter() - start
+    capped = len(done) < len(prompts)
+    wrong = sum(done[f"r{i}"] != n for i, n in enumerate(out_lens) if f"r{i}" in done)
+    note = "attn paged|sdpa" + (f"; capped at {args.hf_max_seconds:.0f} s: {len(done)}/{len(prompts)} "
+                                "requests finished, only their tokens counted" if capped else "")
+    if wrong:
+        note += f"; {wrong} requests with a different token count"
+    del manager, model
+    free_cuda()
+    return Run("transformers continuous batching", len(done), sum(done.values()), seconds, note)
+
+
+def hf_padded_generate(model, prompts: list[list[int]], output_len: int, max_time: float | None) -> torch.Tensor:
+    """offline.hf_generate on the model's device: left padding, greedy, EOS ignored, every row
+    runs output_len steps (or until max_time seconds). Returns the new tokens [n, steps]."""
+    width = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with torch.inference_mode():
+        out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=output_len,
+                             min_new_tokens=output_len, do_sample=False, pad_token_id=0, max_time=max_time)
+    return out[:, width:]
+
+
+def bench_hf_padded(args, prompts, out_lens) -> Run:
+    """Padded `generate` on the first --hf-padded-seqs requests as one batch (left padding, every
+    row runs to the longest output); only each request's own output length counts."""
+    model = hf_model(args.model, "sdpa")
+    n = min(args.hf_padded_seqs, len(prompts))
+    sub, lens = prompts[:n], out_lens[:n]
+    hf_padded_generate(model, [p[:16] for p in sub[:2]], 4, None)  # warm-up (CUDA init, kernels)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = hf_padded_generate(model, sub, max(lens), args.hf_max_seconds)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    steps = out.shape[1]
+    useful = sum(min(m, steps) for m in lens)
+    note = f"first {n} requests as one batch, attn sdpa"
+    if steps < max(lens):
+        note += f"; capped at {args.hf_max_seconds:.0f} s after {steps}/{max(lens)} steps"
+    del model
+    free_cuda()
+    return Run("transformers generate (padded)", n, useful, seconds, note)
+
+
+# ---- report -----------------------------------------------------------------------------------
+def roofline(engine: Engine, profile: Profile, bandwidth: float, rate: float) -> dict[str, float]:
+    """Decode: weights + the KV of every running sequence read once per step, at HBM bandwidth.
+    Prefill: 2 FLOPs per layer weight per token plus attention (QK^T and PV over each token's
+    context), at the bf16 matrix rate (the lm_head of the last tokens is left out)."""
+    runner = engine.model_runner
+    wbytes = weight_bytes(engine)
+    kv_per_token = runner.token_to_kv_pool.bytes_per_token()
+    d = profile.decode
+    decode_bytes = d.steps * wbytes + d.kv_tokens_read * kv_per_token
+    cfg = runner.hf_config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layer_params = sum(p.numel() for p in runner.model.model.layers.parameters())
+    prefill_flops = (2 * layer_params * profile.extend.tokens
+                     + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * profile.prefill_attn_pairs)
+    return {"weight_bytes": wbytes, "kv_bytes_per_token": kv_per_token, "decode_bytes": decode_bytes,
+            "decode_floor_s": decode_bytes / bandwidth, "prefill_flops": prefill_flops,
+            "prefill_floor_s": prefill_flops / rate}
+
+
+def print_report(args, runs: list[Run], profile: Profile, roof: dict, bandwidth: float, rate: float,
+                 batch1: list[tuple[str, str, float, float]]) -> None:
+    print(f"\n== offline throughput: {args.num_seqs} seqs, input and output lengths uniform in "
+          f"[{args.min_len}, {args.max_len}] (seed {args.seed}), random ids, greedy, EOS ignored, "
+          f"{args.model} random weights, bfloat16, {torch.cuda.get_device_name()}")
+    print(f"{'system':34} {'reqs':>5} {'out tokens':>10} {'seconds':>8} {'out tok/s':>10}  note")
+    for r in runs:
+        print(f"{r.system:34} {r.requests:5d} {r.output_tokens:10d} {r.seconds:8.2f} {r.throughput:10.0f}  {r.note}")
+    lab = runs[0]
+    floor = roof["decode_floor_s"] + roof["prefill_floor_s"]
+    d, e = profile.decode, profile.extend
+    print(f"\n== roofline (HBM {bandwidth / 1e12:.2f} TB/s by a 2 GiB copy, bf16 matmul {rate / 1e12:.0f} "
+          f"TFLOP/s, both measured in this run)")
+    print(f"weights {roof['weight_bytes'] / 1e9:.3f} GB read every decode step, KV "
+          f"{roof['kv_bytes_per_token'] / 1024:.0f} KiB per token; {d.steps} decode steps read "
+          f"{roof['decode_bytes'] / 1e12:.2f} TB -> {roof['decode_floor_s']:.2f} s; prefill "
+          f"{roof['prefill_flops'] / 1e15:.3f} PFLOP -> {roof['prefill_floor_s']:.2f} s")
+    print(f"floor {floor:.2f} s = {lab.output_tokens / floor:.0f} out tok/s; labkit {lab.seconds:.2f} s: "
+          f"{100 * floor / lab.seconds:.1f}% of roofline overall; decode steps alone {d.wall:.2f} s: "
+          f"{100 * roof['decode_floor_s'] / d.wall:.1f}% of their floor")
+    print("\n== labkit step breakdown (per step, ms; GPU times from CUDA events)")
+    print(f"{'mode':7} {'steps':>6} {'wall':>7} {'fwd GPU':>8} {'smpl GPU':>9} {'fwd call':>9} "
+          f"{'smpl call':>10} {'rest CPU':>9} {'GPU idle':>9} {'tok/step':>9}")
+    for name, s in (("decode", d), ("prefill", e)):
+        if not s.steps:
+            continue
+        k = 1e3 / s.steps
+        rest = s.wall - s.forward_call - s.sample_call
+        idle = s.wall - s.forward_gpu - s.sample_gpu
+        print(f"{name:7} {s.steps:6d} {s.wall * k:7.3f} {s.forward_gpu * k:8.3f} {s.sample_gpu * k:9.3f} "
+              f"{s.forward_call * k:9.3f} {s.sample_call * k:10.3f} {rest * k:9.3f} {idle * k:9.3f} "
+              f"{s.tokens / s.steps:9.1f}")
+    print(f"decode steps replayed from a CUDA graph: {d.graph_steps}/{d.steps}; total step time "
+          f"{d.wall + e.wall:.2f} s of {lab.seconds:.2f} s")
+    print("('rest CPU' = the scheduler step outside the forward and sampling calls, including the wait for "
+          "the GPU at the step's one sync; 'GPU idle' = wall - forward GPU - sampling GPU)")
+    if batch1:
+        print(f"\n== batch-1 decode, ms per output token ({args.batch1_input}-token prompt, "
+              f"{args.batch1_output} output tokens; floor = weights / HBM bandwidth)")
+        print(f"{'model':14} {'CUDA graphs':>11} {'ms/token':>9} {'floor ms':>9}")
+        for model, graphs, ms, floor_ms in batch1:
+            print(f"{model:14} {graphs:>11} {ms:9.3f} {floor_ms:9.3f}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-0.6b", help="a data/configs name (random weights)")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--min-len", type=int, default=100)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--kv-memory-gb", type=float, default=40.0)
+    ap.add_argument("--max-running-requests", type=int, default=256)
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    ap.add_argument("--skip-hf", action="store_true", help="no transformers peers")
+    ap.add_argument("--hf-padded-seqs", type=int, default=64, help="requests given to padded generate")
+    ap.add_argument("--hf-max-seconds", type=float, default=60.0, help="time cap of each transformers run")
+    ap.add_argument("--batch1-models", default="qwen3-0.6b,qwen2.5-0.5b", help="comma-separated; empty: skip")
+    ap.add_argument("--batch1-input", type=int, default=512)
+    ap.add_argument("--batch1-output", type=int, default=256)
+    ap.add_argument("--json", help="also write the results to this JSON file")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("offline_gpu needs a CUDA device (python -m labkit.bench.offline runs on CPU)")
+    device = torch.device("cuda")
+
+    bandwidth, rate = measure_ceilings(device)
+    print(f"HBM copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    vocab = json.loads((CONFIGS_DIR / f"{args.model}.json").read_text())["vocab_size"]
+    prompts, out_lens = make_workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed)
+
+    lab, profile, engine = bench_labkit(args, prompts, out_lens)
+    print(f"labkit: {lab.output_tokens} tokens in {lab.seconds:.2f} s = {lab.throughput:.0f} tok/s", flush=True)
+    roof = roofline(engine, profile, bandwidth, rate)
+    del engine
+    free_cuda()
+
+    batch1 = []
+    for model in filter(None, args.batch1_models.split(",")):
+        cfg_vocab = json.loads((CONFIGS_DIR / f"{model}.json").read_text())["vocab_size"]
+        prompt = make_requests(1, args.batch1_input, args.batch1_input, cfg_vocab, args.seed)[0]
+        for graphs in (True, False):
+            ms, nbytes = batch1_ms_per_token(model, args, graphs, prompt, args.batch1_output)
+            batch1.append((model, "on" if graphs else "off", ms, nbytes / bandwidth * 1e3))
+            print(f"batch-1 {model} graphs {'on' if graphs else 'off'}: {ms:.3f} ms/token", flush=True)
+
+    runs = [lab]
+    if not args.skip_hf:
+        for bench in (bench_hf_continuous, bench_hf_padded):
+            try:
+                run = bench(args, prompts, out_lens)
+            except Exception as e:  # a peer that fails is reported, not fatal
+                run = Run(bench.__name__.removeprefix("bench_"), 0, 0, 0.0, f"FAILED: {type(e).__name__}: {e}")
+                free_cuda()
+            runs.append(run)
+            print(f"{run.system}: {run.output_tokens} tokens in {run.seconds:.2f} s {run.note}", flush=True)
+
+    print_report(args, runs, profile, roof, bandwidth, rate, batch1)
+    result = {"args": vars(args), "device": torch.cuda.get_device_name(), "hbm_bytes_per_s": bandwidth,
+              "bf16_flops": rate, "runs": [{**asdict(r), "throughput": r.throughput} for r in runs],
+              "profile": {"decode": asdict(profile.decode), "extend": asdict(profile.extend)},
+              "roofline": roof, "batch1": batch1}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
