@@ -29,6 +29,5 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: triton on CUDA, torch_native on CPU
     cuda_graph_max_bs: int = 160  # largest decode batch replayed from a CUDA graph (CUDA + triton only)
     disable_cuda_graph: bool = False  # run every decode eagerly
-    enable_torch_compile: bool = False  # not supported yet: a ValueError when set
     # Observability
     enable_trace: bool = False

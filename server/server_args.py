@@ -14,7 +14,8 @@ import yaml
 from labkit.config import EngineConfig
 
 ENGINE_HELP = {
-    "model_path": "HF model directory, or a data/configs name with --load-format dummy (none: the embedded SmolLM2-135M-Instruct)",
+    "model_path": "HF model directory, or a data/configs name with --load-format dummy "
+                  "(none: the embedded SmolLM2-135M-Instruct)",
     "load_format": "auto: weights from --model-path; dummy: random weights for a config",
     "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16",
     "device": "auto (cuda if available), cpu or cuda",
@@ -34,7 +35,6 @@ ENGINE_HELP = {
     "cuda_graph_max_bs": "largest decode batch run from a captured CUDA graph (CUDA with the triton backend); "
                          "larger batches run eagerly",
     "disable_cuda_graph": "never capture CUDA graphs: every decode step runs eagerly",
-    "enable_torch_compile": "torch.compile the decode forward (not supported yet: the engine refuses it)",
 }
 HIDDEN_ENGINE_FIELDS = {"enable_trace"}  # set by --trace-file
 

@@ -83,13 +83,24 @@ def test_generation_config_eos_ids_stop_generation(checkpoint):
 
 @NO_CUDA
 def test_cuda_backends_agree_on_greedy_outputs_in_bfloat16(checkpoint):
-    """Same requests, same weights (peaked logits: bf16 rounding should not flip a greedy choice)."""
+    """Same requests and weights through torch_native and triton in bfloat16. Kernels that round
+    differently may pick a different token only where the top two are within bf16 noise: every
+    request agrees up to its first difference, and there torch_native's top-2 gap is tiny."""
     prompts = [[5 + (37 * i + 11 * j) % 240 for j in range(30 + 17 * i)] for i in range(12)]
-    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True, "return_logprob": True,
+              "top_logprobs_num": 2}
     outs = {}
     for backend in ("torch_native", "triton"):
         engine = Engine(model_path=str(checkpoint), device="cuda", dtype="bfloat16", page_size=16,
                         max_total_tokens=4096, attention_backend=backend)
-        outs[backend] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
-    same = sum(a == b for a, b in zip(outs["torch_native"], outs["triton"]))
-    assert same == len(prompts), f"{same}/{len(prompts)} requests agree"
+        outs[backend] = engine.generate(input_ids=prompts, sampling_params=params)
+    gaps = []
+    for ref, other in zip(outs["torch_native"], outs["triton"]):
+        a, b = ref["output_ids"], other["output_ids"]
+        if a == b:
+            continue
+        d = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        (_, top1), (_, top2) = ref["meta_info"]["output_top_logprobs"][d]
+        gaps.append(top1 - top2)
+    assert len(gaps) <= len(prompts) // 2, f"{len(gaps)}/{len(prompts)} requests differ"
+    assert all(g < 0.05 for g in gaps), f"differences at top-2 logprob gaps {gaps}"

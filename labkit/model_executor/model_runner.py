@@ -66,8 +66,6 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, tokenizer=None, model_dir: Path | None = None):
         if config.page_size < 1:
             raise ValueError("page_size must be >= 1")
-        if config.enable_torch_compile:
-            raise ValueError("enable_torch_compile is not supported yet")
         if config.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {config.cuda_graph_max_bs}")
         self.config = config
