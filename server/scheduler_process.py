@@ -29,7 +29,8 @@ IDLE_POLL_MS = 500  # how often an idle scheduler checks that the main process i
 def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready: Connection, parent_pid: int) -> None:
     init_child("scheduler", args.log_level)
     try:
-        tracer = Tracer() if args.engine.enable_trace else None
+        # Tree snapshots stay in-process (labkit.viz replays Engine runs); the server ships the rest.
+        tracer = Tracer(record_snapshots=False) if args.engine.enable_trace else None
         scheduler = build_scheduler(args.engine, tracer)
         loop = SchedulerLoop(scheduler, ports, parent_pid)
     except Exception as e:  # report why start-up failed, then exit
