@@ -125,7 +125,6 @@ def test_tiny_model_logits_match_torch_native(page_size, dtype, device, device_h
             p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
     shapes = (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.head_dim)
     hs = {b: device_harness(*shapes, page_size, dtype=dtype, backend=b) for b in ("triton", "torch_native")}
-    seqs = {0: torch.randint(0, config.vocab_size, (40,), generator=gen)}
     steps = [
         (ForwardMode.EXTEND, [("a", 9), ("b", 5), ("c", 3)]),
         (ForwardMode.DECODE, [("a", 1), ("b", 1), ("c", 1)]),
