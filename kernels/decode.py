@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from labkit.kernels.flash import LOG2E, paged_block_step
+
 DEFAULT_MAX_KV_SPLITS = 16
 MIN_TOKENS_PER_SPLIT = 64  # never cut a request into splits shorter than this (heuristic below)
 PROGRAMS_PER_SM = 2  # stage-1 programs the split heuristic aims for, per multiprocessor
@@ -66,22 +67,9 @@ def _decode_stage1_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        slots = tl.load(req_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K_buf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = paged_block_step(q, m_i, l_i, acc, K_buf, V_buf, req_row, offs_n, offs_n < end, kv_head,
+                                         offs_d, mask_d, stride_kbs, stride_kbh, stride_vbs, stride_vbh, qk_scale,
+                                         DOT_PRECISION)
 
     nonempty = end > start
     l_safe = tl.where(l_i > 0, l_i, 1.0)

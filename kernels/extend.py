@@ -14,20 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """Fold one block of base-2 scores s [M, N] (-inf = masked) and values v [N, D] into (m, l, acc)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
+from labkit.kernels.flash import LOG2E, online_softmax_step, paged_block_step
 
 @triton.jit
 def _extend_kernel(
@@ -62,16 +49,9 @@ def _extend_kernel(
     # Phase 1: the cached prefix, from the pool.
     for n0 in range(0, prefix_len, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < prefix_len
-        slots = tl.load(req_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K_buf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        v = tl.load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
+        m_i, l_i, acc = paged_block_step(q, m_i, l_i, acc, K_buf, V_buf, req_row, offs_n, offs_n < prefix_len,
+                                         kv_head, offs_d, mask_d, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+                                         qk_scale, DOT_PRECISION)
 
     # Phase 2: the new tokens before this tile, visible to all its rows (BLOCK_N divides BLOCK_M, so
     # these blocks end at m0 < extend_len: no mask).
@@ -82,7 +62,7 @@ def _extend_kernel(
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
         v = tl.load(V + (row0 + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                     mask=mask_d[None, :], other=0.0)
-        m_i, l_i, acc = _online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
 
     # Phase 3: the tile's own diagonal blocks, causal.
     for n0 in range(m0, tl.minimum(extend_len, m0 + BLOCK_M), BLOCK_N):
@@ -95,7 +75,7 @@ def _extend_kernel(
         s = tl.where(mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None]), s, float("-inf"))
         v = tl.load(V + (row0 + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(O + (row0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],

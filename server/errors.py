@@ -31,6 +31,11 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def server_unavailable(reason: object) -> APIError:
+    """The 503 of a server whose scheduler or detokenizer process has died."""
+    return APIError(503, f"the server stopped serving: {reason}", code="server_unavailable")
+
+
 def _describe(errors: list[dict]) -> tuple[str, str | None, str]:
     """A one-line message from pydantic's error list, the offending parameter, and the error code."""
     parts, param, code = [], None, "invalid_value"

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from labkit.io_struct import GenerateReqInput
-from labkit.server.errors import APIError, install_error_handlers
+from labkit.server.errors import APIError, install_error_handlers, server_unavailable
 from labkit.server.openai_api import Choice, OpenAIServing, finish_fields, sse, submit_or_raise, trace_http
 from labkit.server.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
 from labkit.server.tokenizer_manager import ServerDeadError, TokenizerManager
@@ -58,7 +58,7 @@ def create_app(runtime: ServerRuntime) -> FastAPI:
         if runtime.tm is None or not runtime.ready:
             raise APIError(503, "the server is starting", code="server_starting")
         if runtime.tm.dead:
-            raise APIError(503, f"the server stopped serving: {runtime.tm.dead}", code="server_unavailable")
+            raise server_unavailable(runtime.tm.dead)
         return runtime.tm
 
     def openai() -> OpenAIServing:
@@ -118,14 +118,14 @@ def create_app(runtime: ServerRuntime) -> FastAPI:
                         choice.add(out)
                         yield sse(body())
                 except ServerDeadError as e:
-                    yield sse(APIError(503, f"the server stopped serving: {e}").body())
+                    yield sse(server_unavailable(e).body())
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
         try:
             async for out in manager.stream(state, raw.is_disconnected):
                 choice.add(out)
         except ServerDeadError as e:
-            raise APIError(503, f"the server stopped serving: {e}", code="server_unavailable") from None
+            raise server_unavailable(e) from None
         return JSONResponse(body()) if choice.finish is not None else Response(status_code=499)
 
     @app.get("/get_server_info")

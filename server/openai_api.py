@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from labkit.io_struct import GenerateReqInput, ReqOutput
-from labkit.server.errors import APIError
+from labkit.server.errors import APIError, server_unavailable
 from labkit.server.protocol import ChatCompletionRequest, CompletionRequest
 from labkit.server.tokenizer_manager import QueueFullError, ReqState, ServerDeadError, TokenizerManager
 from labkit.trace.events import Station
@@ -86,7 +86,7 @@ class OpenAIServing:
         try:
             done = await asyncio.gather(*(self._collect(c, raw) for c in choices))
         except ServerDeadError as e:
-            raise APIError(503, f"the server stopped serving: {e}", code="server_unavailable") from None
+            raise server_unavailable(e) from None
         if not all(done):
             return Response(status_code=499)  # the client has gone; nobody reads this
         body = fmt.response(choices)
@@ -120,8 +120,7 @@ class OpenAIServing:
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, ServerDeadError):
-                    yield sse({"error": APIError(503, f"the server stopped serving: {item}",
-                                                 code="server_unavailable").body()["error"]})
+                    yield sse(server_unavailable(item).body())
                     break
                 else:
                     choice.add(item)
@@ -248,7 +247,7 @@ def submit_or_raise(tm: TokenizerManager, reqs: list[GenerateReqInput]) -> list[
         raise APIError(503, f"too many requests queued ({e}); retry later", code="queue_full",
                        headers={"Retry-After": "1"}) from None
     except ServerDeadError as e:
-        raise APIError(503, f"the server stopped serving: {e}", code="server_unavailable") from None
+        raise server_unavailable(e) from None
 
 
 def trace_http(tm: TokenizerManager, raw: Request, rids: list[str], parsed: float) -> None:

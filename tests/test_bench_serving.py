@@ -18,6 +18,8 @@ from labkit.bench.datasets import BenchRequest
 class WordTokenizer:
     """Stand-in tokenizer: one token per whitespace-separated word, a trivial chat template."""
 
+    chat_template = "<role> content ... <assistant>"  # what apply_chat_template renders
+
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
         return "".join(f"<{m['role']}> {m['content']} " for m in messages) + "<assistant>"
 

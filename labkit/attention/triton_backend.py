@@ -43,8 +43,6 @@ class _DecodeMetadata:
     max_kv_splits: int  # their bound (the grid's split axis)
     mid_o: torch.Tensor  # [bs, H, max_kv_splits, D] float32 workspace
     mid_lse: torch.Tensor  # [bs, H, max_kv_splits] float32 workspace
-    # The same batch as extends of one token (for save_kv_cache=False); None inside a CUDA graph.
-    as_extend: _ExtendMetadata | None
 
 
 @register_attention_backend("triton")
@@ -89,10 +87,13 @@ class TritonAttnBackend(AttentionBackend):
                                          self.max_kv_splits)
         mid_o = torch.empty(bs, c.num_heads, bound, c.head_dim, dtype=torch.float32, device=self.device)
         mid_lse = torch.empty(bs, c.num_heads, bound, dtype=torch.float32, device=self.device)
-        ones = torch.ones_like(fb.seq_lens)
-        as_extend = _ExtendMetadata(fb.seq_lens - 1, ones, torch.arange(bs, device=self.device),
-                                    ExtendPlan.one_token_each(bs, c.head_dim, self.device))
-        return _DecodeMetadata(splits, bound, mid_o, mid_lse, as_extend)
+        return _DecodeMetadata(splits, bound, mid_o, mid_lse)
+
+    def _decode_as_extend(self, fb: ForwardBatch) -> _ExtendMetadata:
+        """The decode batch as extends of one token each: their K/V then come from the arguments."""
+        bs = fb.batch_size
+        return _ExtendMetadata(fb.seq_lens - 1, torch.ones_like(fb.seq_lens), torch.arange(bs, device=self.device),
+                               ExtendPlan.one_token_each(bs, self.config.head_dim, self.device))
 
     # ---- CUDA graphs ---------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
@@ -118,7 +119,7 @@ class TritonAttnBackend(AttentionBackend):
         self.graph_num_kv_splits[:bs].copy_(splits)  # valid counts for the warm-up forwards too
         self.extend = None
         self.decode = _DecodeMetadata(self.graph_num_kv_splits[:bs], bound, self.graph_mid_o[:bs],
-                                      self.graph_mid_lse[:bs], as_extend=None)
+                                      self.graph_mid_lse[:bs])
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         splits, _ = self._graph_splits(forward_batch)
@@ -131,8 +132,7 @@ class TritonAttnBackend(AttentionBackend):
         md = self.decode
         assert md is not None, "init_forward_metadata was not called for this decode batch"
         if not save_kv_cache:  # the new tokens are not in the pool: read them from k, v
-            assert md.as_extend is not None, "save_kv_cache=False is not supported in a CUDA graph"
-            return self._extend(q, k, v, layer, forward_batch, md.as_extend)
+            return self._extend(q, k, v, layer, forward_batch, self._decode_as_extend(forward_batch))
         fb, pool = forward_batch, forward_batch.token_to_kv_pool
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)

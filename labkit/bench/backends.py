@@ -58,7 +58,7 @@ class HttpTarget:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return auth_headers(self.api_key)
 
     def body(self, req: BenchRequest) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "max_tokens": req.output_len, "temperature": 0,
@@ -82,6 +82,10 @@ class HttpTarget:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def chunk_text(chunk: dict[str, Any], chat: bool) -> str:
     """The text one streamed chunk carries ("" for the final usage-only chunk)."""
     choices = chunk.get("choices") or []
@@ -94,14 +98,15 @@ def chunk_text(chunk: dict[str, Any], chat: bool) -> str:
 
 async def send_request(client: httpx.AsyncClient, target: HttpTarget, req: BenchRequest,
                        t0: float) -> RequestOutput:
-    """One streaming request; timings from the arrival of SSE lines. Any failure is recorded, not raised."""
+    """One streaming request; timings from the arrival of SSE lines. Any failure is recorded, not raised.
+    The body (for chat prompts: template and tokenizer) is built before the clock starts."""
     out = RequestOutput(prompt_len=req.prompt_len)
-    start = time.perf_counter()
-    out.start = start - t0
     pieces: list[str] = []
     usage: dict[str, int] = {}
     try:
         body = target.body(req)
+        start = time.perf_counter()
+        out.start = start - t0
         async with client.stream("POST", target.url, json=body, headers=target.headers) as resp:
             if resp.status_code != 200:
                 raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}")
@@ -161,8 +166,7 @@ async def run_http(client: httpx.AsyncClient, target: HttpTarget, requests: list
 
 async def first_model(client: httpx.AsyncClient, base_url: str, api_key: str | None = None) -> str:
     """The first model the server lists at GET /v1/models."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    resp = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
+    resp = await client.get(base_url.rstrip("/") + "/v1/models", headers=auth_headers(api_key))
     resp.raise_for_status()
     return resp.json()["data"][0]["id"]
 
@@ -182,17 +186,15 @@ def run_engine(engine: Any, requests: list[BenchRequest], arrivals: list[float],
     outs = [RequestOutput(prompt_len=r.prompt_len) for r in requests]
     limit = max_concurrency or len(requests)
     in_flight: dict[str, int] = {}  # rid -> request index
-    sent: dict[str, float] = {}  # rid -> perf_counter when added
     last: dict[str, float] = {}  # rid -> perf_counter of its latest token
     nxt = 0
     t0 = time.perf_counter()
     while nxt < len(requests) or in_flight:
         while nxt < len(requests) and t0 + arrivals[nxt] <= time.perf_counter() and len(in_flight) < limit:
-            now, out = time.perf_counter(), outs[nxt]
-            out.start = now - t0
+            out = outs[nxt]
+            out.start = time.perf_counter() - t0
             try:
-                rid = engine_add(engine, requests[nxt])
-                in_flight[rid], sent[rid] = nxt, now
+                in_flight[engine_add(engine, requests[nxt])] = nxt
             except ValueError as e:
                 out.error = f"ValueError: {e}"
                 if on_done is not None:
@@ -209,13 +211,13 @@ def run_engine(engine: Any, requests: list[BenchRequest], arrivals: list[float],
             if rid in last:
                 out.itl.append(now - last[rid])
             else:
-                out.ttft = now - sent[rid]
+                out.ttft = now - t0 - out.start
             last[rid] = now
         for rid in step.finished:
             out = outs[in_flight.pop(rid)]
             result = engine.results.pop(rid)
             meta = result["meta_info"]
-            out.latency = now - sent.pop(rid)
+            out.latency = now - t0 - out.start
             out.prompt_len, out.output_len = meta["prompt_tokens"], meta["completion_tokens"]
             out.text = result["text"] or ""
             out.success = meta["finish_reason"]["type"] != "abort"

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from labkit.tokenizer.prompt import encode_prompt
+
 MULTITURN_FILE = Path(__file__).resolve().parents[2] / "data" / "multiturn_chat.json"
 FIRST_ID = 100  # the lowest ids hold special tokens (SmolLM2: 0..16); keep random prompts clear of them
 
@@ -28,7 +30,8 @@ class BenchRequest:
         return bool(self.prompt) and isinstance(self.prompt[0], dict)
 
 
-def _random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+def random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    """`n` uniform ids in [FIRST_ID, vocab_size)."""
     if vocab_size <= FIRST_ID:
         raise ValueError(f"vocab size {vocab_size} leaves no ids above the special-token range")
     return [rng.randrange(FIRST_ID, vocab_size) for _ in range(n)]
@@ -36,18 +39,18 @@ def _random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
 
 def _length(rng: random.Random, full: int, range_ratio: float) -> int:
     """Uniform in [range_ratio * full, full], at least 1."""
-    if not 0.0 <= range_ratio <= 1.0:
-        raise ValueError(f"range ratio must be in [0, 1], got {range_ratio}")
     return rng.randint(max(1, int(full * range_ratio)), max(1, full))
 
 
 def random_requests(num_prompts: int, input_len: int, output_len: int, range_ratio: float,
                     vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+    if not 0.0 <= range_ratio <= 1.0:
+        raise ValueError(f"range ratio must be in [0, 1], got {range_ratio}")
     rng = random.Random(seed)
     out = []
     for _ in range(num_prompts):
         n_in, n_out = _length(rng, input_len, range_ratio), _length(rng, output_len, range_ratio)
-        out.append(BenchRequest(_random_ids(rng, n_in, vocab_size), n_in, n_out))
+        out.append(BenchRequest(random_ids(rng, n_in, vocab_size), n_in, n_out))
     return out
 
 
@@ -59,9 +62,9 @@ def shared_prefix_requests(num_groups: int, prompts_per_group: int, system_promp
     rng = random.Random(seed)
     out = []
     for _ in range(num_groups):
-        system = _random_ids(rng, system_prompt_len, vocab_size)
+        system = random_ids(rng, system_prompt_len, vocab_size)
         for _ in range(prompts_per_group):
-            ids = system + _random_ids(rng, question_len, vocab_size)
+            ids = system + random_ids(rng, question_len, vocab_size)
             out.append(BenchRequest(ids, len(ids), output_len))
     rng.shuffle(out)
     return out
@@ -94,5 +97,4 @@ def multiturn_requests(tokenizer: Any, max_tokens: int, num_prompts: int | None 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[Message]) -> list[int]:
     """Token ids of the chat template applied to `messages`, as labkit's Engine tokenizes them."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return encode_prompt(tokenizer, messages=messages)[1]

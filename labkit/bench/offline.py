@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from labkit import Engine
+from labkit.bench.datasets import random_ids
 from labkit.model_loader.loader import resolve_model_dir
 
 
@@ -29,9 +30,9 @@ class Result:
 
 
 def make_requests(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    """`n` prompts of random ids (datasets.random_ids), lengths uniform in [lo, hi]."""
     rng = random.Random(seed)
-    # Skip the lowest ids: SmolLM2's special tokens live there.
-    return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return [random_ids(rng, rng.randint(lo, hi), vocab) for _ in range(n)]
 
 
 def bench_labkit(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
@@ -49,19 +50,25 @@ def bench_labkit(engine: Engine, prompts: list[list[int]], output_len: int) -> t
     return seconds, per_token
 
 
-def hf_generate(model, prompts: list[list[int]], output_len: int, pad_id: int) -> torch.Tensor:
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), both [n, longest prompt], left padded as decoder-only generation needs."""
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding, as decoder-only generation needs
+    for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def hf_generate(model, prompts: list[list[int]], output_len: int, pad_id: int) -> torch.Tensor:
+    ids, mask = left_pad(prompts, pad_id)
     config = model.generation_config
     config.eos_token_id = None  # ignore EOS, like labkit's ignore_eos
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
                              do_sample=False, pad_token_id=pad_id, generation_config=config)
-    return out[:, width:]
+    return out[:, ids.shape[1]:]
 
 
 def bench_hf(model, prompts: list[list[int]], output_len: int, pad_id: int) -> tuple[float, float]:
@@ -88,6 +95,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args(argv)
+    if args.output_len < 2:
+        ap.error("--output-len must be at least 2 (time per token is measured after the first)")
 
     from transformers import AutoModelForCausalLM
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from labkit import Engine
-from labkit.bench.offline import make_requests
+from labkit.bench.offline import left_pad, make_requests
 from labkit.model_loader.loader import CONFIGS_DIR
 
 
@@ -183,7 +183,7 @@ def weight_bytes(engine: Engine) -> int:
 def warm_up(engine: Engine, vocab: int, seed: int) -> None:
     """Compile every Triton kernel variant the run will need (lengths with and without the
     multiple-of-16 specialization), outside the timing."""
-    prompts, _ = make_workload(24, 1, 300, vocab, seed + 99)
+    prompts = make_requests(24, 1, 300, vocab, seed + 99)
     params = [{"temperature": 0, "max_new_tokens": 1 + i % 12, "ignore_eos": True} for i in range(24)]
     engine.generate(input_ids=prompts, sampling_params=params)
     engine.flush_cache()
@@ -276,16 +276,11 @@ def bench_hf_continuous(args, prompts, out_lens) -> Run:
 def hf_padded_generate(model, prompts: list[list[int]], output_len: int, max_time: float | None) -> torch.Tensor:
     """offline.hf_generate on the model's device: left padding, greedy, EOS ignored, every row
     runs output_len steps (or until max_time seconds). Returns the new tokens [n, steps]."""
-    width = max(map(len, prompts))
-    ids = torch.zeros((len(prompts), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids, mask = left_pad(prompts, pad_id=0)
     with torch.inference_mode():
         out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=output_len,
                              min_new_tokens=output_len, do_sample=False, pad_token_id=0, max_time=max_time)
-    return out[:, width:]
+    return out[:, ids.shape[1]:]
 
 
 def bench_hf_padded(args, prompts, out_lens) -> Run:

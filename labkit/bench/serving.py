@@ -31,10 +31,6 @@ from labkit.bench.backends import HttpTarget, RequestOutput, arrival_times, firs
 from labkit.config import EngineConfig
 from labkit.scheduler.schedule_policy import POLICIES
 
-ENGINE_OPTIONS = ("model_path", "load_format", "page_size", "max_total_tokens", "max_running_requests",
-                  "schedule_policy", "chunked_prefill_size", "disable_radix_cache", "device", "dtype")
-
-
 @dataclass
 class Stats:
     mean: float
@@ -114,7 +110,9 @@ def progress(args: argparse.Namespace, total: int) -> tqdm:
 def bench_engine(args: argparse.Namespace) -> tuple[list[RequestOutput], float]:
     from labkit import Engine
 
-    engine = Engine(EngineConfig(**{name: getattr(args, name) for name in ENGINE_OPTIONS}))
+    # the engine options are the EngineConfig fields parse_args adds under their own names
+    engine = Engine(EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+                                    if hasattr(args, f.name)}))
     requests = build_requests(args, engine.tokenizer, engine.model_runner.vocab_size)
     if args.warmup_requests:
         warm, _ = run_engine(engine, requests[:1] * args.warmup_requests, [0.0] * args.warmup_requests)

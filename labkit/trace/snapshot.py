@@ -28,7 +28,6 @@ class NodeState:
     lock_ref: int  # > 0: protected (a running request uses it); 0: evictable
     last_access: int  # the cache's logical LRU clock (larger = more recent)
     head: tuple[int, ...]  # the first tokens of the key, for labels
-    first_slot: int | None = None  # first KV slot of the node (None for the root)
 
 
 @dataclass
@@ -68,30 +67,24 @@ class StepSnapshot:
 
 def snapshot_tree(tree_cache: Any, step: int, head_tokens: int = DEFAULT_HEAD_TOKENS,
                   previous: dict[int, NodeState] | None = None) -> TreeSnapshot | None:
-    """A TreeSnapshot of a RadixCache (anything whose nodes() expose id, parent, key, value,
+    """A TreeSnapshot of a RadixCache (anything with a root and whose nodes() expose id, parent, key,
     lock_ref, last_access_time). `previous` (node id -> NodeState) lets unchanged nodes be shared
     with the last snapshot. Reads only: no LRU touch, no split."""
-    root = getattr(tree_cache, "root", None)
-    if root is None:
+    if getattr(tree_cache, "root", None) is None:
         return None
     previous = previous or {}
     out: list[NodeState] = []
-    stack = [root]
-    while stack:
-        node = stack.pop()
+    for node in tree_cache.nodes():  # root first, then depth first
         parent = node.parent.id if node.parent is not None else None
-        key = node.key
-        n = len(key)
-        value = node.value
-        first = int(value[0]) if n and value.numel() else None
+        n = len(node.key)
         old = previous.get(node.id)
+        # A node's key only changes by a split, which gives it a new (upper) parent and a shorter key.
         if (old is not None and old.parent == parent and old.num_tokens == n and old.lock_ref == node.lock_ref
-                and old.last_access == node.last_access_time and old.first_slot == first):
-            out.append(old)  # key unchanged: a node's key only changes by a split, which moves first_slot
+                and old.last_access == node.last_access_time):
+            out.append(old)
         else:
             out.append(NodeState(node.id, parent, n, node.lock_ref, node.last_access_time,
-                                 tuple(key[:head_tokens]), first))
-        stack.extend(sorted(node.children.values(), key=lambda c: c.id, reverse=True))
+                                 tuple(node.key[:head_tokens])))
     return TreeSnapshot(step, getattr(tree_cache, "page_size", 1), tuple(out))
 
 

@@ -84,7 +84,7 @@ def draw_timeline(source: Any, x: str = "step", *, ax=None, batch_ax=None, title
     run = Run.of(source)
     rids = run.rids
     segs = _segments(run, x)
-    fig = None
+    spans = _step_spans(run)
     if ax is None:
         h = max(2.2, 0.28 * len(rids) + 1.0)
         fig = style.new_figure(11, h + (1.9 if show_batch else 0))
@@ -107,12 +107,11 @@ def draw_timeline(source: Any, x: str = "step", *, ax=None, batch_ax=None, title
             if phase != "prefill" or i == 0 or ss[i - 1][2] != "queued":
                 continue
             cached = next((c.prefix for c in run.cells_of(rid) if c.phase == "prefill"
-                           and abs(((c.step - 0.5) if x == "step" else _step_spans(run)[c.step][0]) - x0) < 1e-9), 0)
+                           and abs(((c.step - 0.5) if x == "step" else spans[c.step][0]) - x0) < 1e-9), 0)
             q0 = ss[i - 1][0]
             if cached:
                 _defer_label(ax, q0, x0, row_of[rid], f"cached {cached}", "right", "#333333")
     # markers: retractions and finishes
-    spans = _step_spans(run)
     for s in run.steps:
         xs = s.step if x == "step" else spans[s.step][1]
         for rid in s.retracted:

@@ -19,7 +19,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
 from labkit.trace.events import TreeEvent
-from labkit.trace.snapshot import NodeState, TreeSnapshot, snapshot_tree
+from labkit.trace.snapshot import DEFAULT_HEAD_TOKENS, NodeState, TreeSnapshot, snapshot_tree
 from labkit.viz import style
 from labkit.viz.run import Run, token_text
 
@@ -69,7 +69,7 @@ def _layout(nodes: list[NodeState], root_id: int) -> tuple[dict[int, _Box], int]
 def _changes(events: list[TreeEvent]) -> tuple[set[int], set[int], list[NodeState]]:
     inserted = {e.node_id for e in events if e.kind == "insert"}
     split = {e.node_id for e in events if e.kind == "split"}
-    ghosts = [NodeState(e.node_id, e.parent_id, e.num_tokens, 0, 0, tuple(t for t in e.tokens[:16]))
+    ghosts = [NodeState(e.node_id, e.parent_id, e.num_tokens, 0, 0, tuple(e.tokens[:DEFAULT_HEAD_TOKENS]))
               for e in events if e.kind == "evict"]
     return inserted, split, ghosts
 

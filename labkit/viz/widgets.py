@@ -144,6 +144,11 @@ def _short(values, limit: int = 16) -> str:
     return str(values[:limit]) + (" …" if len(values) > limit else "")
 
 
+def _html_rows(pairs: list[tuple[str, str]]) -> str:
+    return "".join(f"<tr><td><b>{html.escape(k)}</b></td><td style='font-family:monospace'>"
+                   f"{html.escape(v).replace(chr(10), '<br>')}</td></tr>" for k, v in pairs)
+
+
 class StationStepper:
     """Step through one request's station events in time order, each with what entered and left."""
 
@@ -170,11 +175,7 @@ class StationStepper:
     def html(self, i: int) -> str:
         e = self.events[i]
         ins, outs = describe_event(e, self.run.tokenizer)
-        cell = lambda v: html.escape(v).replace("\n", "<br>")  # noqa: E731
-        rows = "".join(f"<tr><td><b>{html.escape(k)}</b></td><td style='font-family:monospace'>{cell(v)}</td></tr>"
-                       for k, v in ins)
-        rows_out = "".join(f"<tr><td><b>{html.escape(k)}</b></td><td style='font-family:monospace'>{cell(v)}</td></tr>"
-                           for k, v in outs)
+        rows, rows_out = _html_rows(ins), _html_rows(outs)
         step = f" · scheduler step {e.step}" if e.step is not None else ""
         return (f"<h4>{self.rid}: station {STATION_TITLES.get(e.station, e.station.name)}{step} "
                 f"(event {i + 1} of {len(self.events)})</h4>"
