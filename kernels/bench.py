@@ -1,10 +1,13 @@
-"""Timings of the attention kernels on a CUDA device against their floors and torch's SDPA.
+"""Timings of the attention kernels on a CUDA device against their floors, torch's SDPA and (where
+it is installed) FlashInfer's kernels on the same inputs.
 
     python -m labkit.kernels.bench            # prints one table (median of do_bench, milliseconds)
 
 Decode is memory-bound: floor = bytes of K and V read / measured copy bandwidth. Extend (prefill) is
 compute-bound: floor = causal FLOPs / measured bf16 matmul rate. Both ceilings are measured here."""
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import triton
@@ -34,12 +37,42 @@ def _pool(batch: int, seq_len: int, num_kv_heads: int, head_dim: int, page_size:
     return k, torch.randn_like(k), req_to_token
 
 
+def _flashinfer_decode(q, k_buf, v_buf, req_to_token, page_size: int, scale: float) -> float:
+    """FlashInfer's paged decode over the same pages (req_to_token's every page_size-th slot)."""
+    import flashinfer
+
+    batch, seq_len = req_to_token.shape
+    pages = (req_to_token[:, ::page_size] // page_size).to(torch.int32)
+    indptr = torch.arange(batch + 1, dtype=torch.int32) * pages.shape[1]
+    last = torch.full((batch,), (seq_len - 1) % page_size + 1, dtype=torch.int32)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.zeros(256 << 20, dtype=torch.uint8, device=q.device), "NHD",
+        use_tensor_cores=q.shape[1] // k_buf.shape[1] >= 4)
+    wrapper.plan(indptr, pages.flatten(), last, q.shape[1], k_buf.shape[1], q.shape[2], page_size,
+                 q_data_type=q.dtype, sm_scale=scale)
+    kv = (k_buf.view(-1, page_size, *k_buf.shape[1:]), v_buf.view(-1, page_size, *v_buf.shape[1:]))
+    return triton.testing.do_bench(lambda: wrapper.run(q, kv), return_mode="median")
+
+
+def _flashinfer_prefill(q, k, v, batch: int, new: int, scale: float) -> float:
+    """FlashInfer's causal prefill of `batch` requests of `new` tokens each (no prefix, contiguous K/V)."""
+    import flashinfer
+
+    indptr = torch.arange(batch + 1, dtype=torch.int32) * new
+    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+        torch.zeros(256 << 20, dtype=torch.uint8, device=q.device), "NHD")
+    wrapper.plan(indptr, indptr, q.shape[1], k.shape[1], q.shape[2], causal=True, q_data_type=q.dtype,
+                 sm_scale=scale)
+    return triton.testing.do_bench(lambda: wrapper.run(q, k, v), return_mode="median")
+
+
 def main() -> None:
     device = torch.device("cuda")
     dtype = torch.bfloat16
     bw, flops = _ceilings(device)
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
-    print(f"{'case':<44} {'ms':>8} {'floor':>8} {'sdpa':>8}")
+    has_flashinfer = importlib.util.find_spec("flashinfer") is not None
+    print(f"{'case':<44} {'ms':>8} {'floor':>8} {'sdpa':>8} {'flashinf':>8}  achieved (labkit)")
     num_heads, num_kv_heads, head_dim, page_size = 32, 8, 128, 16
     scale = head_dim ** -0.5
     for batch, seq_len in [(1, 32768), (8, 4096), (64, 4096), (256, 1024)]:
@@ -55,9 +88,11 @@ def main() -> None:
         vd = v_buf[r2t].transpose(1, 2)
         sd = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
             q[:, :, None], kd, vd, scale=scale, enable_gqa=True), return_mode="median")
-        print(f"{f'decode B={batch} L={seq_len} h32/kv8 d128 page16':<44} {ms:8.3f} {floor:8.3f} {sd:8.3f}")
+        fi = _flashinfer_decode(q, k_buf, v_buf, r2t, page_size, scale) if has_flashinfer else float("nan")
+        print(f"{f'decode B={batch} L={seq_len} h32/kv8 d128 page16':<44} {ms:8.3f} {floor:8.3f} {sd:8.3f} "
+              f"{fi:8.3f}  {floor / ms * bw / 1e12:.2f} TB/s")
         del k_buf, v_buf, kd, vd
-    for batch, prefix, new in [(1, 0, 4096), (4, 0, 2048), (4, 4096, 512)]:
+    for batch, prefix, new in [(1, 0, 4096), (4, 0, 2048), (8, 0, 2048), (4, 4096, 512)]:
         k_buf, v_buf, r2t = _pool(batch, max(prefix, 1), num_kv_heads, head_dim, page_size, dtype, device)
         total = batch * new
         q = torch.randn(total, num_heads, head_dim, device=device, dtype=dtype)
@@ -77,8 +112,9 @@ def main() -> None:
         sd = (triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
             qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True), return_mode="median")
             if prefix == 0 else float("nan"))
+        fi = _flashinfer_prefill(q, k, v, batch, new, scale) if has_flashinfer and prefix == 0 else float("nan")
         print(f"{f'extend B={batch} prefix={prefix} new={new} h32/kv8 d128':<44} {ms:8.3f} "
-              f"{flop / flops * 1e3:8.3f} {sd:8.3f}")
+              f"{flop / flops * 1e3:8.3f} {sd:8.3f} {fi:8.3f}  {flop / ms / 1e9:.0f} TFLOP/s")
 
 
 if __name__ == "__main__":

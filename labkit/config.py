@@ -29,5 +29,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: triton on CUDA, torch_native on CPU
     cuda_graph_max_bs: int = 160  # largest decode batch replayed from a CUDA graph (CUDA + triton only)
     disable_cuda_graph: bool = False  # run every decode eagerly
+    enable_torch_compile: bool = False  # torch.compile the decode forward around the attention kernels
+    torch_compile_max_bs: int = 32  # largest decode batch run compiled
+    disable_overlap_schedule: bool = False  # overlap scheduling is on for CUDA unless this is set
+    overlap_schedule_on_cpu: bool = False  # also on CPU: no speed-up, but shows (and tests) its one-step lag
     # Observability
     enable_trace: bool = False

@@ -10,6 +10,7 @@ from multiprocessing.connection import Connection
 import msgspec
 import zmq
 
+from labkit.config import EngineConfig
 from labkit.io_struct import BatchStrOutput, BatchTokenIDOutput, TraceChunk
 from labkit.model_loader.loader import load_tokenizer, resolve_model_dir
 from labkit.server.ipc import ENCODER, PortArgs, init_child, parent_alive, pull_socket, push_socket
@@ -44,8 +45,9 @@ class DetokenizerManager:
                 self.decode_status.pop(out.rid, None)
             out.text, out.detokenize = piece, None
             if self.trace:
+                token = out.token_ids[-1] if out.token_ids else None  # at most one per step
                 events.append(StationEvent(out.rid, Station.DETOKENIZE, start, time.perf_counter(), None, {
-                    "token_ids": out.token_ids, "piece": piece, "finish_reason": out.finish_reason}))
+                    "token": token, "piece": piece, "finish_reason": out.finish_reason}))
         trace = batch.trace
         if events:
             trace = trace or TraceChunk()
@@ -53,22 +55,51 @@ class DetokenizerManager:
         return BatchStrOutput(outputs=batch.outputs, trace=trace)
 
 
+class DetokenizerLoop:
+    """The detokenizer's event loop: a DetokenizerManager between the ZMQ socket it reads (the
+    scheduler's BatchTokenIDOutput) and the one it writes (BatchStrOutput to the TokenizerManager)."""
+
+    def __init__(self, manager: DetokenizerManager, ports: PortArgs):
+        self.manager = manager
+        self.ctx = zmq.Context()
+        self.recv_from_scheduler = pull_socket(self.ctx, ports.detokenizer_ipc)
+        self.send_to_tokenizer = push_socket(self.ctx, ports.tokenizer_ipc)
+        self.decoder = msgspec.msgpack.Decoder(BatchTokenIDOutput)
+
+    @classmethod
+    def create(cls, config: EngineConfig, ports: PortArgs) -> DetokenizerLoop:
+        """Load the model's tokenizer (none for dummy weights) and bind to `ports`."""
+        tokenizer = load_tokenizer(resolve_model_dir(config.model_path)) if config.load_format != "dummy" else None
+        return cls(DetokenizerManager(tokenizer, trace=config.enable_trace), ports)
+
+    def close(self) -> None:
+        """Close the sockets (the process's exit does it in the server)."""
+        self.ctx.destroy(linger=0)
+
+    def run(self, parent_pid: int) -> None:
+        while parent_alive(parent_pid):
+            self.run_once(IDLE_POLL_MS)
+        logger.info("main process gone; detokenizer exits")
+
+    def run_once(self, poll_ms: int) -> None:
+        """Handle the next message, if one arrives within poll_ms."""
+        if self.recv_from_scheduler.poll(poll_ms):
+            self.handle(self.recv_from_scheduler.recv())
+
+    def handle(self, raw: bytes) -> BatchStrOutput:
+        """Decode one message from the scheduler, detokenize it and send the result on."""
+        out = self.manager.handle(self.decoder.decode(raw))
+        self.send_to_tokenizer.send(ENCODER.encode(out))
+        return out
+
+
 def run_detokenizer_process(args: ServerArgs, ports: PortArgs, ready: Connection, parent_pid: int) -> None:
     init_child("detokenizer", args.log_level)
     try:
-        cfg = args.engine
-        tokenizer = load_tokenizer(resolve_model_dir(cfg.model_path)) if cfg.load_format != "dummy" else None
-        manager = DetokenizerManager(tokenizer, trace=cfg.enable_trace)
-        ctx = zmq.Context()
-        recv = pull_socket(ctx, ports.detokenizer_ipc)
-        send = push_socket(ctx, ports.tokenizer_ipc)
+        loop = DetokenizerLoop.create(args.engine, ports)
     except Exception as e:
         traceback.print_exc()
         ready.send({"error": f"{type(e).__name__}: {e}"})
         return
     ready.send({"info": {}})
-    decoder = msgspec.msgpack.Decoder(BatchTokenIDOutput)
-    while parent_alive(parent_pid):
-        if recv.poll(IDLE_POLL_MS):
-            send.send(ENCODER.encode(manager.handle(decoder.decode(recv.recv()))))
-    logger.info("main process gone; detokenizer exits")
+    loop.run(parent_pid)

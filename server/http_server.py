@@ -6,7 +6,7 @@ import asyncio
 import hmac
 import time
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -15,10 +15,8 @@ from labkit.io_struct import GenerateReqInput
 from labkit.server.errors import APIError, install_error_handlers, server_unavailable
 from labkit.server.openai_api import Choice, OpenAIServing, finish_fields, sse, submit_or_raise, trace_http
 from labkit.server.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
+from labkit.server.server_args import ServerArgs
 from labkit.server.tokenizer_manager import ServerDeadError, TokenizerManager
-
-if TYPE_CHECKING:
-    from labkit.server.launch import ServerRuntime
 
 HEALTH_TIMEOUT_S = 20.0
 HEALTH_FRESH_S = 5.0  # a request that finished this recently proves the generation path alive
@@ -43,7 +41,20 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def create_app(runtime: ServerRuntime) -> FastAPI:
+class AppRuntime(Protocol):
+    """What the app serves with: launch.ServerRuntime in the server, inprocess.InProcessServer in a notebook."""
+
+    args: ServerArgs
+    tm: TokenizerManager | None  # None until the scheduler is up
+    ready: bool
+    model_name: str
+    created: int  # unix time, reported by /v1/models
+
+    async def run(self) -> None:
+        """Started as a task by the app's lifespan (start-up) and cancelled at shutdown."""
+
+
+def create_app(runtime: AppRuntime) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         task = asyncio.create_task(runtime.run())

@@ -3,7 +3,9 @@ a dependency would not pay for itself)."""
 from __future__ import annotations
 
 import bisect
+import re
 from dataclasses import dataclass, field
+from typing import Any
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PREFIX = "labkit:"
@@ -65,3 +67,23 @@ class ServerMetrics:
         for hist in (self.ttft, self.itl, self.e2e):
             lines += hist.render()
         return "\n".join(lines) + "\n"
+
+
+def parse_metrics(text: str) -> list[dict[str, Any]]:
+    """The samples of an exposition text such as `render` writes, one dict each: name, labels (a
+    dict), value, and the type and help of its metric (a histogram's _bucket/_sum/_count samples
+    belong to the histogram)."""
+    kinds: dict[str, str] = {}
+    helps: dict[str, str] = {}
+    samples = []
+    for line in text.splitlines():
+        if line.startswith(("# HELP ", "# TYPE ")):
+            _, what, metric, rest = line.split(" ", 3)
+            (helps if what == "HELP" else kinds)[metric] = rest
+        elif line.strip():
+            sample, value = line.rsplit(" ", 1)
+            name, _, labels = sample.partition("{")
+            metric = name if name in kinds else re.sub(r"_(bucket|sum|count)$", "", name)
+            samples.append({"name": name, "labels": dict(re.findall(r'(\w+)="([^"]*)"', labels)),
+                            "value": float(value), "type": kinds.get(metric), "help": helps.get(metric)})
+    return samples

@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 import msgspec
 import zmq
 
+from labkit.config import EngineConfig
 from labkit.engine import build_scheduler
 from labkit.io_struct import (AbortReq, BatchTokenIDOutput, ControlOutput, ControlReq, DetokenizeParams,
                               ReqOutput, TokenizedGenerateReqInput, ToScheduler, TraceChunk)
@@ -29,28 +30,37 @@ IDLE_POLL_MS = 500  # how often an idle scheduler checks that the main process i
 def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready: Connection, parent_pid: int) -> None:
     init_child("scheduler", args.log_level)
     try:
-        # Tree snapshots stay in-process (labkit.viz replays Engine runs); the server ships the rest.
-        tracer = Tracer(record_snapshots=False) if args.engine.enable_trace else None
-        scheduler = build_scheduler(args.engine, tracer)
-        loop = SchedulerLoop(scheduler, ports, parent_pid)
+        loop = SchedulerLoop.create(args.engine, ports)
     except Exception as e:  # report why start-up failed, then exit
         traceback.print_exc()
         ready.send({"error": f"{type(e).__name__}: {e}"})
         return
     ready.send({"info": loop.info()})
-    loop.run()
+    loop.run(parent_pid)
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, ports: PortArgs, parent_pid: int):
+    """The scheduler's event loop: its Scheduler and the ZMQ sockets it reads and writes."""
+
+    def __init__(self, scheduler: Scheduler, ports: PortArgs):
         self.scheduler = scheduler
-        self.parent_pid = parent_pid
-        ctx = zmq.Context()
-        self.recv_from_tokenizer = pull_socket(ctx, ports.scheduler_ipc)
-        self.send_to_detokenizer = push_socket(ctx, ports.detokenizer_ipc)
-        self.send_to_tokenizer = push_socket(ctx, ports.tokenizer_ipc)
+        self.ctx = zmq.Context()
+        self.recv_from_tokenizer = pull_socket(self.ctx, ports.scheduler_ipc)
+        self.send_to_detokenizer = push_socket(self.ctx, ports.detokenizer_ipc)
+        self.send_to_tokenizer = push_socket(self.ctx, ports.tokenizer_ipc)
         self.decoder = msgspec.msgpack.Decoder(ToScheduler)
         self.announced: set[str] = set()  # rids whose DetokenizeParams the detokenizer has had
+
+    @classmethod
+    def create(cls, config: EngineConfig, ports: PortArgs) -> SchedulerLoop:
+        """Load the model and build the scheduler (with a tracer if config.enable_trace), bound to `ports`."""
+        # Tree snapshots stay in-process (labkit.viz replays Engine runs); the server ships the rest.
+        tracer = Tracer(record_snapshots=False) if config.enable_trace else None
+        return cls(build_scheduler(config, tracer), ports)
+
+    def close(self) -> None:
+        """Close the sockets (the process's exit does it in the server)."""
+        self.ctx.destroy(linger=0)
 
     def info(self) -> dict:
         """Static facts the TokenizerManager needs (limits for validation) and reports."""
@@ -59,16 +69,24 @@ class SchedulerLoop:
                 "device": str(runner.device), "dtype": str(runner.dtype).replace("torch.", ""),
                 "req_slots": runner.req_to_token_pool.size, "pid": os.getpid()}
 
-    def run(self) -> None:
-        while parent_alive(self.parent_pid):
-            for msg in self.recv_requests():
-                self.process_input_request(msg)
-            if self.scheduler.has_work():
-                self.send_outputs(self.scheduler.step())
+    def run(self, parent_pid: int) -> None:
+        while parent_alive(parent_pid):
+            self.run_once(IDLE_POLL_MS)
         logger.info("main process gone; scheduler exits")
 
-    def recv_requests(self) -> list:
-        timeout = 0 if self.scheduler.has_work() else IDLE_POLL_MS
+    def run_once(self, idle_poll_ms: int) -> bool:
+        """One turn: take the messages that arrived (waiting up to idle_poll_ms if there is no work),
+        then run one scheduler step, if there is work, and send its outputs to the detokenizer.
+        Returns whether a step ran."""
+        for msg in self.recv_requests(idle_poll_ms):
+            self.process_input_request(msg)
+        if not self.scheduler.has_work():
+            return False
+        self.send_outputs(self.scheduler.step())
+        return True
+
+    def recv_requests(self, idle_poll_ms: int) -> list:
+        timeout = 0 if self.scheduler.has_work() else idle_poll_ms
         msgs = []
         if self.recv_from_tokenizer.poll(timeout):
             while True:

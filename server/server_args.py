@@ -35,6 +35,11 @@ ENGINE_HELP = {
     "cuda_graph_max_bs": "largest decode batch run from a captured CUDA graph (CUDA with the triton backend); "
                          "larger batches run eagerly",
     "disable_cuda_graph": "never capture CUDA graphs: every decode step runs eagerly",
+    "enable_torch_compile": "torch.compile the decode forward around the attention kernels (the CUDA graphs are "
+                            "captured from it); compiling takes a while at start",
+    "torch_compile_max_bs": "largest decode batch run compiled with --enable-torch-compile",
+    "disable_overlap_schedule": "schedule each step only after the previous one finished (overlap is on for CUDA)",
+    "overlap_schedule_on_cpu": "overlap scheduling on CPU too: no speed-up there; tokens arrive one step later",
 }
 HIDDEN_ENGINE_FIELDS = {"enable_trace"}  # set by --trace-file
 

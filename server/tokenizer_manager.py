@@ -210,6 +210,11 @@ class TokenizerManager:
             state.pending.append(out)
             state.event.set()
 
+    def close(self) -> None:
+        """Close the sockets (the process's exit does it in the server)."""
+        self._send.close(linger=0)
+        self._recv.close(linger=0)
+
     def fail_all(self, reason: str) -> None:
         """A child died: every waiting handler gets an error now, and new requests are refused."""
         self.dead = reason

@@ -40,7 +40,8 @@ def kernel_spec_dir(tmp_path_factory):
 
 def test_the_teaching_notebooks_are_there():
     names = {p.stem for p in NOTEBOOKS}
-    assert {"02_radix_cache", "03_continuous_batching", "04_paged_memory", "05_scheduling_policies"} <= names
+    assert {"01_request_journey", "02_radix_cache", "03_continuous_batching", "04_paged_memory",
+            "05_scheduling_policies", "06_serving"} <= names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

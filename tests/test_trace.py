@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from labkit.trace import PoolUsage, Station, StepRecord, Tracer, TreeEvent
+from labkit.trace import PoolUsage, Station, StepRecord, Tracer, TreeEvent, from_perfetto
 
 T = 1000.0  # an arbitrary perf_counter origin
 
@@ -163,3 +163,23 @@ def test_perfetto_coerces_non_json_details():
     tr.station("a", Station.FORWARD, T, T + 1, step=0, arr=np.arange(3), mode=Station.FORWARD, obj=object())
     args = json.loads(json.dumps(tr.to_perfetto()))["traceEvents"][-1]["args"]
     assert args["arr"] == [0, 1, 2] and args["mode"] == "FORWARD" and args["obj"].startswith("<object")
+
+
+def test_from_perfetto_reads_back_the_records(tmp_path):
+    tr = make_tracer()
+    back = from_perfetto(tr.save_perfetto(tmp_path / "trace.json"))  # from the file, as a server wrote it
+    assert back.t0 == 0.0
+    assert [(e.rid, e.station, e.step) for e in back.events] == [(e.rid, e.station, e.step) for e in tr.events]
+    for a, b in zip(tr.events, back.events):
+        assert b.start == pytest.approx(a.start - T, abs=1e-9) and b.end == pytest.approx(a.end - T, abs=1e-9)
+    assert back.events[0].detail == {"bytes": 120}
+    assert back.events[-1].detail["top"] == [[7, 0.9], [3, 0.1]]  # as JSON made it
+    assert [s.pool for s in back.steps] == [s.pool for s in tr.steps]
+    assert [s.blocked for s in back.steps] == [{"c": "token budget"}] * 2
+    assert [(t.kind, t.node_id, t.parent_id, t.tokens) for t in back.tree_events] == \
+        [(t.kind, t.node_id, t.parent_id, t.tokens) for t in tr.tree_events]
+    # Exported again, it is the same trace (up to float noise in the microseconds).
+    again, first = back.to_perfetto()["traceEvents"], json.loads(json.dumps(tr.to_perfetto()))["traceEvents"]
+    assert [{k: v for k, v in e.items() if k not in ("ts", "dur")} for e in again] == \
+        [{k: v for k, v in e.items() if k not in ("ts", "dur")} for e in first]
+    assert [e.get("ts") for e in again] == pytest.approx([e.get("ts") for e in first], abs=1e-3)

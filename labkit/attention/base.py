@@ -115,7 +115,7 @@ class AttentionBackend(ABC):
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
 # Backends that need optional packages (triton, flashinfer) register themselves when first asked for,
 # so importing labkit never imports them.
-LAZY_BACKENDS = {"triton": "labkit.attention.triton_backend"}
+LAZY_BACKENDS = {"triton": "labkit.attention.triton_backend", "flashinfer": "labkit.attention.flashinfer_backend"}
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:

@@ -77,7 +77,7 @@ class TritonAttnBackend(AttentionBackend):
         for n in extend_lens:
             starts.append(row)
             row += n
-        lens = torch.tensor([prefix_lens, extend_lens, starts], dtype=torch.int64).to(self.device)
+        lens = torch.tensor([prefix_lens, extend_lens, starts], dtype=torch.int64).to(self.device, non_blocking=True)
         plan = ExtendPlan.build(extend_lens, self.config.head_dim, self.device)
         return _ExtendMetadata(lens[0], lens[1], lens[2], plan)
 

@@ -132,9 +132,9 @@ def instrument(engine: Engine, profile: Profile):
         current["events"] = (e0, e1)
         return out
 
-    def timed_sample(logits, reqs):
+    def timed_sample(logits, reqs, fb):
         t0 = time.perf_counter()
-        out = sample(logits, reqs)
+        out = sample(logits, reqs, fb)
         e2 = torch.cuda.Event(enable_timing=True)
         e2.record()
         stats = current["stats"]
@@ -165,7 +165,8 @@ def instrument(engine: Engine, profile: Profile):
 def build_engine(model: str, args, **overrides) -> Engine:
     options = dict(model_path=model, load_format="dummy", dtype="bfloat16", page_size=args.page_size,
                    kv_memory_gb=args.kv_memory_gb, max_running_requests=args.max_running_requests,
-                   cuda_graph_max_bs=args.cuda_graph_max_bs)
+                   cuda_graph_max_bs=args.cuda_graph_max_bs, enable_torch_compile=args.enable_torch_compile,
+                   torch_compile_max_bs=args.torch_compile_max_bs)
     return Engine(**{**options, **overrides})
 
 
@@ -180,19 +181,21 @@ def weight_bytes(engine: Engine) -> int:
     return total
 
 
-def warm_up(engine: Engine, vocab: int, seed: int) -> None:
-    """Compile every Triton kernel variant the run will need (lengths with and without the
-    multiple-of-16 specialization), outside the timing."""
-    prompts = make_requests(24, 1, 300, vocab, seed + 99)
-    params = [{"temperature": 0, "max_new_tokens": 1 + i % 12, "ignore_eos": True} for i in range(24)]
+def warm_up(engine: Engine, args, vocab: int) -> None:
+    """Everything the first steps of a run set up (Triton variants, torch.compile graphs, the CUDA
+    allocator's blocks) happens before the timing: the same number of requests and prompt lengths
+    (other ids), short outputs. A lighter warm-up left the first engine of a process about 10% slower
+    than a second one on the same workload."""
+    prompts, _ = make_workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed + 99)
+    params = [{"temperature": 0, "max_new_tokens": 1 + i % 32, "ignore_eos": True} for i in range(len(prompts))]
     engine.generate(input_ids=prompts, sampling_params=params)
     engine.flush_cache()
 
 
-def bench_labkit(args, prompts, out_lens) -> tuple[Run, Profile, Engine]:
-    engine = build_engine(args.model, args)
+def bench_labkit(args, prompts, out_lens, name: str = "labkit", **overrides) -> tuple[Run, Profile, Engine]:
+    engine = build_engine(args.model, args, **overrides)
     vocab = engine.model_runner.vocab_size
-    warm_up(engine, vocab, args.seed)
+    warm_up(engine, args, vocab)
     profile = Profile()
     resolve = instrument(engine, profile)
     params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in out_lens]
@@ -206,12 +209,20 @@ def bench_labkit(args, prompts, out_lens) -> tuple[Run, Profile, Engine]:
         raise RuntimeError("labkit produced the wrong number of tokens")
     graphs = engine.model_runner.cuda_graph_runner
     note = f"CUDA graphs bs<={graphs.max_bs}" if graphs else "no CUDA graphs"
-    return Run("labkit", len(prompts), sum(made), seconds, note), profile, engine
+    note += ", overlap scheduling" if engine.scheduler.overlap else ", no overlap"
+    if engine.config.enable_torch_compile:
+        note += f", torch.compile bs<={engine.config.torch_compile_max_bs}"
+    return Run(name, len(prompts), sum(made), seconds, note), profile, engine
 
 
-def batch1_ms_per_token(model: str, args, graphs: bool, prompt: list[int], n: int) -> tuple[float, int]:
+BATCH1_VARIANTS = {"graphs": {}, "graphs+compile": {"enable_torch_compile": True},
+                   "eager": {"disable_cuda_graph": True}}
+
+
+def batch1_ms_per_token(model: str, args, variant: str, prompt: list[int], n: int) -> tuple[float, int]:
     """(ms per output token after the first, weight bytes) of one request alone."""
-    engine = build_engine(model, args, disable_cuda_graph=not graphs, cuda_graph_max_bs=1, kv_memory_gb=2.0)
+    options = {"enable_torch_compile": False, **BATCH1_VARIANTS[variant]}  # the variant alone decides
+    engine = build_engine(model, args, cuda_graph_max_bs=1, kv_memory_gb=2.0, **options)
     nbytes = weight_bytes(engine)
     params = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
     engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 8})  # warm-up
@@ -364,9 +375,9 @@ def print_report(args, runs: list[Run], profile: Profile, roof: dict, bandwidth:
     if batch1:
         print(f"\n== batch-1 decode, ms per output token ({args.batch1_input}-token prompt, "
               f"{args.batch1_output} output tokens; floor = weights / HBM bandwidth)")
-        print(f"{'model':14} {'CUDA graphs':>11} {'ms/token':>9} {'floor ms':>9}")
-        for model, graphs, ms, floor_ms in batch1:
-            print(f"{model:14} {graphs:>11} {ms:9.3f} {floor_ms:9.3f}")
+        print(f"{'model':14} {'variant':>14} {'ms/token':>9} {'floor ms':>9}")
+        for model, variant, ms, floor_ms in batch1:
+            print(f"{model:14} {variant:>14} {ms:9.3f} {floor_ms:9.3f}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -381,13 +392,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--cuda-graph-max-bs", type=int, default=256)
     ap.add_argument("--skip-hf", action="store_true", help="no transformers peers")
+    ap.add_argument("--disable-overlap-schedule", action="store_true", help="labkit's run without overlap")
+    ap.add_argument("--enable-torch-compile", action="store_true", help="labkit's runs with torch.compile")
+    ap.add_argument("--torch-compile-max-bs", type=int, default=32)
+    ap.add_argument("--compare-overlap", action="store_true", help="also run labkit with overlap toggled")
     ap.add_argument("--hf-padded-seqs", type=int, default=64, help="requests given to padded generate")
     ap.add_argument("--hf-max-seconds", type=float, default=60.0, help="time cap of each transformers run")
     ap.add_argument("--batch1-models", default="qwen3-0.6b,qwen2.5-0.5b", help="comma-separated; empty: skip")
+    ap.add_argument("--batch1-variants", default="graphs,eager",
+                    help=f"comma-separated, of {', '.join(BATCH1_VARIANTS)}")
     ap.add_argument("--batch1-input", type=int, default=512)
     ap.add_argument("--batch1-output", type=int, default=256)
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args(argv)
+    unknown = set(args.batch1_variants.split(",")) - set(BATCH1_VARIANTS)
+    if unknown:
+        ap.error(f"unknown --batch1-variants {sorted(unknown)}; choose from {sorted(BATCH1_VARIANTS)}")
     if not torch.cuda.is_available():
         raise SystemExit("offline_gpu needs a CUDA device (python -m labkit.bench.offline runs on CPU)")
     device = torch.device("cuda")
@@ -397,22 +417,29 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = json.loads((CONFIGS_DIR / f"{args.model}.json").read_text())["vocab_size"]
     prompts, out_lens = make_workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed)
 
-    lab, profile, engine = bench_labkit(args, prompts, out_lens)
+    lab, profile, engine = bench_labkit(args, prompts, out_lens, disable_overlap_schedule=args.disable_overlap_schedule)
     print(f"labkit: {lab.output_tokens} tokens in {lab.seconds:.2f} s = {lab.throughput:.0f} tok/s", flush=True)
     roof = roofline(engine, profile, bandwidth, rate)
     del engine
     free_cuda()
+    runs = [lab]
+    if args.compare_overlap:
+        other, _, engine = bench_labkit(args, prompts, out_lens, "labkit, overlap toggled",
+                                        disable_overlap_schedule=not args.disable_overlap_schedule)
+        del engine
+        free_cuda()
+        runs.append(other)
+        print(f"{other.system}: {other.throughput:.0f} tok/s ({other.note})", flush=True)
 
     batch1 = []
     for model in filter(None, args.batch1_models.split(",")):
         cfg_vocab = json.loads((CONFIGS_DIR / f"{model}.json").read_text())["vocab_size"]
         prompt = make_requests(1, args.batch1_input, args.batch1_input, cfg_vocab, args.seed)[0]
-        for graphs in (True, False):
-            ms, nbytes = batch1_ms_per_token(model, args, graphs, prompt, args.batch1_output)
-            batch1.append((model, "on" if graphs else "off", ms, nbytes / bandwidth * 1e3))
-            print(f"batch-1 {model} graphs {'on' if graphs else 'off'}: {ms:.3f} ms/token", flush=True)
+        for variant in args.batch1_variants.split(","):
+            ms, nbytes = batch1_ms_per_token(model, args, variant, prompt, args.batch1_output)
+            batch1.append((model, variant, ms, nbytes / bandwidth * 1e3))
+            print(f"batch-1 {model} {variant}: {ms:.3f} ms/token", flush=True)
 
-    runs = [lab]
     if not args.skip_hf:
         for bench in (bench_hf_continuous, bench_hf_padded):
             try:

@@ -5,10 +5,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.layers.fused import use_triton_kernels
+
 
 class SiluAndMul(nn.Module):
     """Input [..., 2*d] = cat(gate, up); output silu(gate) * up, [..., d]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton_kernels(x):
+            from labkit.kernels.activation import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -26,7 +26,16 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
         s = self.spec
-        return forward_batch.attn_backend.forward(
+        return _backend_forward(
             q.view(-1, s.num_heads, s.head_dim), k.view(-1, s.num_kv_heads, s.head_dim),
             v.view(-1, s.num_kv_heads, s.head_dim), s, forward_batch,
         )
+
+
+# --enable-torch-compile compiles what lies between the attention calls (norms, rotary, MLP); the
+# backends run their own kernels and keep Python state (metadata, per-request loops) that
+# torch.compile would only guard on and recompile for.
+@torch.compiler.disable
+def _backend_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionLayerSpec,
+                     forward_batch: ForwardBatch) -> torch.Tensor:
+    return forward_batch.attn_backend.forward(q, k, v, spec, forward_batch)

@@ -20,7 +20,7 @@ def last_token_indices(forward_batch: ForwardBatch, device: torch.device) -> tor
     for n in lens:
         total += n
         ends.append(total - 1)
-    return torch.tensor(ends, dtype=torch.int64, device=device)
+    return torch.tensor(ends, dtype=torch.int64).to(device, non_blocking=True)
 
 
 class LogitsProcessor(nn.Module):

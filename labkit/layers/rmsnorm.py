@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.layers.fused import use_triton_kernels
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, computed in float32 and cast back (as Hugging Face does)."""
@@ -19,6 +21,12 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: return norm(x). With it: x += residual first and return
         (norm(x + residual), x + residual), the new residual stream."""
+        if use_triton_kernels(x):
+            from labkit.kernels.norm import fused_add_rmsnorm, rmsnorm
+
+            if residual is None:
+                return rmsnorm(x, self.weight, self.eps)
+            return fused_add_rmsnorm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from labkit.layers.fused import use_triton_kernels
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -69,10 +72,35 @@ class RotaryEmbedding(nn.Module):
         return (torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype),
                 torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype))
 
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
+        """One forward's rotary inputs for every layer: cos/sin for the torch ops, or on CUDA one
+        float32 [T, D] table (cos | sin halves) that the fused Triton kernel reads at rows 0..T-1."""
+        if not use_triton_kernels(positions):
+            return RopeInputs(cos_sin=self.cos_sin(positions, dtype))
+        freqs = positions.float()[:, None] * self._inv_freq_on(positions.device)[None, :]
+        table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        return RopeInputs(table=table, rows=torch.arange(table.shape[0], device=table.device))
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rope(q, k, *self.cos_sin(positions, q.dtype))
+        return self.prepare(positions, q.dtype).apply(q, k)
+
+
+@dataclass
+class RopeInputs:
+    """RotaryEmbedding.prepare's result: either cos_sin, or table and rows."""
+
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+    table: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.table is None:
+            return apply_rope(q, k, *self.cos_sin)
+        from labkit.kernels.rotary import rotary_embedding
+
+        return rotary_embedding(self.rows, q, k, self.table)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

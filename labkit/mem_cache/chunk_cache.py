@@ -34,11 +34,11 @@ class ChunkCache(BasePrefixCache):
         return 0
 
     def cache_finished_req(self, req: CacheableReq) -> None:
-        self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_len])
+        self.allocator.free(self.req_to_token_pool.host[req.req_pool_idx, :req.kv_len])
         self.req_to_token_pool.free(req.req_pool_idx)
 
     def cache_unfinished_req(self, req: CacheableReq) -> None:
-        req.prefix_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_len].clone()
+        req.prefix_indices = self.req_to_token_pool.host[req.req_pool_idx, :req.kv_len].clone()
 
     def inc_lock_ref(self, node: Any) -> None:
         pass

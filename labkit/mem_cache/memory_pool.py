@@ -6,13 +6,33 @@ import torch
 
 
 class ReqToTokenPool:
-    """req_to_token[r, i] is the KV slot holding token i of the request in slot r."""
+    """req_to_token[r, i] is the KV slot holding token i of the request in slot r.
+
+    Two copies on a GPU: `req_to_token` on the device, read by the attention kernels, and `host` on
+    the CPU, read by the scheduler and the prefix cache. Reading the device copy from the host would
+    wait for the GPU and undo overlap scheduling, so writes go through `write`, which updates both
+    (the device copy with a non-blocking copy, ordered on the stream after the forwards already
+    queued). On a CPU device they are one tensor."""
 
     def __init__(self, size: int, max_context_len: int, device: torch.device | str = "cpu"):
         self.size = size
         self.max_context_len = max_context_len
+        self.device = torch.device(device)
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self.host = self.req_to_token if self.device.type == "cpu" else torch.zeros_like(self.req_to_token, device="cpu")
         self.free_slots: list[int] = list(range(size))
+
+    def write(self, rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor) -> None:
+        """req_to_token[rows[k], cols[k]] = values[k] (CPU int64 tensors of one length)."""
+        self.host[rows, cols] = values
+        if self.host is not self.req_to_token:
+            packed = torch.stack((rows, cols, values)).to(self.device, non_blocking=True)
+            self.req_to_token[packed[0], packed[1]] = packed[2]
+
+    def write_row(self, slot: int, start: int, values: torch.Tensor) -> None:
+        """req_to_token[slot, start : start + len(values)] = values."""
+        cols = torch.arange(start, start + values.numel(), dtype=torch.int64)
+        self.write(torch.full_like(cols, slot), cols, values.to(torch.int64))
 
     def available_size(self) -> int:
         return len(self.free_slots)

@@ -153,7 +153,7 @@ class RadixCache(BasePrefixCache):
         """Insert the page-aligned part of the request's computed tokens and free the request's own
         slots that duplicate cached ones. Returns its KV slots (a copy) and the aligned length."""
         kv_len = req.kv_len
-        kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :kv_len].clone()
+        kv = self.req_to_token_pool.host[req.req_pool_idx, :kv_len].clone()
         aligned = kv_len - kv_len % self.page_size
         ids = (req.origin_input_ids + req.output_ids)[:aligned]
         # Slots [0, shared) are the tree's own (the locked path); the request owns the rest.
@@ -174,7 +174,7 @@ class RadixCache(BasePrefixCache):
         ids = (req.origin_input_ids + req.output_ids)[:aligned]
         match = self.match_prefix(ids)
         shared = match.device_indices
-        self.req_to_token_pool.req_to_token[req.req_pool_idx, :shared.numel()] = shared
+        self.req_to_token_pool.write_row(req.req_pool_idx, 0, shared)
         self.inc_lock_ref(match.last_node)
         self.dec_lock_ref(req.last_node)
         req.prefix_indices = torch.cat((shared, kv[shared.numel():]))

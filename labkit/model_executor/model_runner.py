@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ from labkit.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from labkit.model_executor.cuda_graph_runner import CudaGraphRunner
 from labkit.model_executor.forward_batch import ForwardBatch
 from labkit.model_loader.loader import load_model
-from labkit.sampling.sampler import Sampler, SamplingBatchInfo
+from labkit.sampling.sampler import Sampler, SamplingBatchInfo, SampleOutput
 
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,43 @@ def eos_ids_of(hf_config, tokenizer, model_dir: Path | None) -> set[int]:
     return ids
 
 
+def future_token(req_pool_idx: int) -> int:
+    """The placeholder for a request's sampled token that has not reached the host yet."""
+    return -1 - req_pool_idx
+
+
+def future_slot(input_ids: torch.Tensor) -> torch.Tensor:
+    """The request slot of each placeholder (0 for real ids, which are not read)."""
+    return (-1 - input_ids).clamp_(min=0)
+
+
+def _pinned_copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
+@dataclass
+class HostSample:
+    """A step's sampled tokens (and logprobs) on their way to the host. On CUDA the copy goes to
+    pinned memory behind an event, so the host can queue the next step before reading this one."""
+
+    output: SampleOutput  # the host copies, valid after wait()
+    event: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, out: SampleOutput) -> HostSample:
+        if out.next_token_ids.device.type != "cuda":
+            return cls(out, None)
+        host = SampleOutput(_pinned_copy(out.next_token_ids), _pinned_copy(out.logprobs), out.top_logprobs)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host, event)
+
+    def wait(self) -> SampleOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.output
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, tokenizer=None, model_dir: Path | None = None):
         if config.page_size < 1:
@@ -86,15 +124,20 @@ class ModelRunner:
         self.token_to_kv_pool = TokenToKVPool(
             self._pool_size(cfg, head_dim), config.page_size, self.dtype, cfg.num_hidden_layers,
             cfg.num_key_value_heads, head_dim, self.device)
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
-            self.token_to_kv_pool.size, config.page_size, self.device)
+        # The free list lives on the host: the scheduler allocates without waiting for the GPU.
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.token_to_kv_pool.size, config.page_size)
         # +2: the request being chunk-prefilled and one being admitted can hold slots beside the cap.
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 2, self.context_len, self.device)
+        # The token each request slot sampled last. A decode input the host does not know yet (overlap
+        # scheduling: the previous step is still running) is a placeholder read from here on the device.
+        self.last_token_ids = torch.zeros(self.req_to_token_pool.size, dtype=torch.int64, device=self.device)
         self.attn_backend = backend_cls(AttentionBackendConfig(
             num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
             page_size=config.page_size, max_context_len=self.context_len,
             max_batch_size=config.max_running_requests, dtype=self.dtype, device=self.device))
         self.sampler = Sampler()
+        # Shapes specialize at first and turn dynamic on the first recompile (torch's default).
+        self.compiled_model = torch.compile(self.model) if config.enable_torch_compile else None
         self.cuda_graph_runner: CudaGraphRunner | None = self._build_cuda_graph_runner()
 
     def _build_cuda_graph_runner(self) -> CudaGraphRunner | None:
@@ -125,13 +168,15 @@ class ModelRunner:
         seq_lens = batch.seq_lens
         # One host-to-device copy for the four index lists, then views of it.
         parts = (batch.input_ids, batch.positions, batch.req_pool_indices, seq_lens)
-        flat = torch.tensor([v for part in parts for v in part], dtype=torch.int64).to(self.device)
+        flat = torch.tensor([v for part in parts for v in part], dtype=torch.int64).to(self.device, non_blocking=True)
         input_ids, positions, req_pool_indices, seq_lens_t = flat.split([len(p) for p in parts])
+        if min(batch.input_ids) < 0:
+            input_ids = torch.where(input_ids < 0, self.last_token_ids[future_slot(input_ids)], input_ids)
         return ForwardBatch(
             forward_mode=batch.forward_mode, batch_size=len(batch.reqs),
             input_ids=input_ids, positions=positions,
             req_pool_indices=req_pool_indices, seq_lens=seq_lens_t,
-            out_cache_loc=batch.out_cache_loc.to(self.device), seq_lens_cpu=seq_lens,
+            out_cache_loc=batch.out_cache_loc.to(self.device, non_blocking=True), seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=batch.prefix_lens, extend_seq_lens_cpu=batch.extend_lens,
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
             attn_backend=self.attn_backend,
@@ -144,9 +189,22 @@ class ModelRunner:
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
-        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        model = self.decode_model(forward_batch.batch_size) if forward_batch.forward_mode.is_decode() else self.model
+        return model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    def decode_model(self, batch_size: int) -> torch.nn.Module:
+        """The model a decode batch runs: compiled up to torch_compile_max_bs with --enable-torch-compile.
+        Extends stay eager: compiled with dynamic token counts they ran slower on an H200
+        (offline_gpu prefill steps 27.9 -> 49.8 ms)."""
+        if self.compiled_model is not None and batch_size <= self.config.torch_compile_max_bs:
+            return self.compiled_model
+        return self.model
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs):
+    def sample(self, logits: torch.Tensor, reqs, forward_batch: ForwardBatch) -> HostSample:
+        """Sample on the device, remember each slot's token for placeholder inputs, and start copying
+        the result to the host; `HostSample.wait()` then waits for this step only."""
         info = SamplingBatchInfo.from_requests(reqs, self.vocab_size, logits.device, self.eos_token_ids)
-        return self.sampler(logits, info)
+        out = self.sampler(logits, info)
+        self.last_token_ids[forward_batch.req_pool_indices] = out.next_token_ids
+        return HostSample.start(out)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from labkit.layers import Attention, LogitsProcessor, RMSNorm, SiluAndMul, get_rope
-from labkit.layers.rotary import apply_rope
+from labkit.layers.rotary import RopeInputs
 from labkit.models.registry import register_model
 
 if TYPE_CHECKING:
@@ -36,14 +36,14 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+    def forward(self, rope: RopeInputs, hidden: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, *rope)
+        q, k = rope.apply(q, k)
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
 
@@ -67,7 +67,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None,
                 forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add is fused into the next norm: (norm(h + r), h + r).
         if residual is None:
@@ -93,7 +93,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary_emb.cos_sin(positions, hidden.dtype)  # shared by all layers
+        rope = self.rotary_emb.prepare(positions, hidden.dtype)  # shared by all layers
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual, forward_batch)
         hidden, _ = self.norm(hidden, residual)

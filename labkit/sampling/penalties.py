@@ -25,6 +25,12 @@ class SamplingReq(Protocol):
     output_ids: list[int]
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without waiting for the GPU (a blocking copy would wait
+    for the forwards already queued, which overlap scheduling must not)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _index_tensors(
     rows_of_ids: Sequence[Sequence[int]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,7 +38,7 @@ def _index_tensors(
     lengths = torch.tensor([len(ids) for ids in rows_of_ids], dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(len(rows_of_ids)), lengths)
     cols = torch.tensor(list(itertools.chain.from_iterable(rows_of_ids)), dtype=torch.int64)
-    return rows.to(device), cols.to(device)
+    return rows.to(device, non_blocking=True), cols.to(device, non_blocking=True)
 
 
 @dataclass
@@ -54,7 +60,7 @@ class Penalties:
         params = [r.sampling_params for r in reqs]
 
         def column(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+            return to_device(values, torch.float32, device).unsqueeze(1)
 
         use_freq = any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params)
         use_rep = any(p.repetition_penalty != 1 for p in params)

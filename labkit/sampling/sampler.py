@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from labkit.sampling.penalties import Penalties, SamplingReq, min_tokens_ban
+from labkit.sampling.penalties import Penalties, SamplingReq, min_tokens_ban, to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -74,15 +74,15 @@ class SamplingBatchInfo:
         sampled = [(p, k) for p, k, g in zip(params, top_ks, greedy) if not g]
 
         def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return to_device(values, torch.float32, device)
 
         return cls(
             vocab_size=vocab_size,
             temperatures=f32([1.0 if g else p.temperature for p, g in zip(params, greedy)]).unsqueeze(1),
             top_ps=f32([p.top_p for p in params]),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            top_ks=to_device(top_ks, torch.int64, device),
             min_ps=f32([p.min_p for p in params]),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            is_greedy=to_device(greedy, torch.bool, device),
             all_greedy=all(greedy),
             filter_width=max((k for _, k in sampled), default=vocab_size),
             need_top_k=any(k < vocab_size for _, k in sampled),
@@ -142,7 +142,7 @@ class Sampler:
         if info.penalties is not None:
             logits = info.penalties.apply(logits)
         if info.banned is not None:
-            logits = logits.index_put(info.banned, torch.tensor(float("-inf"), device=logits.device))
+            logits = logits.index_put(info.banned, torch.full((), float("-inf"), device=logits.device))
 
         greedy_ids = torch.argmax(logits, dim=-1)
         if info.all_greedy:
@@ -168,7 +168,7 @@ class Sampler:
             if seed is not None:
                 gen = torch.Generator(device="cpu")
                 gen.manual_seed(seed)
-                noise[row] = torch.rand(probs.shape[1], generator=gen).to(probs.device)
+                noise[row] = torch.rand(probs.shape[1], generator=gen).to(probs.device, non_blocking=True)
         return noise.log_().neg_()
 
 

@@ -19,8 +19,8 @@ def ensure_free(tree_cache, allocator, needed: int) -> bool:
     return allocator.available_size() >= needed
 
 
-def _last_locs(req_to_token: torch.Tensor, reqs: list[Req], prefix_lens: list[int]) -> list[int]:
-    return [int(req_to_token[r.req_pool_idx, p - 1]) if p > 0 else -1 for r, p in zip(reqs, prefix_lens)]
+def _last_locs(host_table: torch.Tensor, reqs: list[Req], prefix_lens: list[int]) -> list[int]:
+    return [int(host_table[r.req_pool_idx, p - 1]) if p > 0 else -1 for r, p in zip(reqs, prefix_lens)]
 
 
 def alloc_for_extend(batch: ScheduleBatch, req_to_token_pool, allocator, tree_cache, page_size: int) -> bool:
@@ -30,10 +30,9 @@ def alloc_for_extend(batch: ScheduleBatch, req_to_token_pool, allocator, tree_ca
     slots = req_to_token_pool.alloc(len(fresh))
     if slots is None:
         return False
-    table = req_to_token_pool.req_to_token
+    table = req_to_token_pool.host
     for req, slot in zip(fresh, slots):
         req.req_pool_idx = slot
-        table[slot, : len(req.prefix_indices)] = req.prefix_indices
     prefix_lens = [len(r.prefix_indices) for r in batch.reqs]
     seq_lens = [p + r.extend_input_len for p, r in zip(prefix_lens, batch.reqs)]
     needed = sum(new_slots_needed(p, s, page_size) for p, s in zip(prefix_lens, seq_lens))
@@ -45,10 +44,19 @@ def alloc_for_extend(batch: ScheduleBatch, req_to_token_pool, allocator, tree_ca
             req_to_token_pool.free(req.req_pool_idx)
             req.req_pool_idx = None
         return False
-    offset = 0
+    # One write for the fresh requests' cached prefixes and everyone's new slots.
+    rows, cols, values = [], [], []
+    for req in fresh:
+        n = len(req.prefix_indices)
+        rows.append(torch.full((n,), req.req_pool_idx, dtype=torch.int64))
+        cols.append(torch.arange(n))
+        values.append(req.prefix_indices)
     for req, p, s in zip(batch.reqs, prefix_lens, seq_lens):
-        table[req.req_pool_idx, p:s] = out[offset : offset + s - p]
-        offset += s - p
+        rows.append(torch.full((s - p,), req.req_pool_idx, dtype=torch.int64))
+        cols.append(torch.arange(p, s))
+    values.append(out)
+    req_to_token_pool.write(torch.cat(rows), torch.cat(cols), torch.cat(values))
+    for req, p, s in zip(batch.reqs, prefix_lens, seq_lens):
         ids = req.all_ids
         batch.input_ids.extend(ids[p:s])
         batch.positions.extend(range(p, s))
@@ -68,12 +76,11 @@ def alloc_for_decode(batch: ScheduleBatch, req_to_token_pool, allocator, tree_ca
     if not ensure_free(tree_cache, allocator, decode_slots_needed(reqs, page_size)):
         return False
     prefix_lens = [r.kv_len for r in reqs]
-    table = req_to_token_pool.req_to_token
-    out = allocator.alloc_decode([p + 1 for p in prefix_lens], _last_locs(table, reqs, prefix_lens))
+    out = allocator.alloc_decode([p + 1 for p in prefix_lens], _last_locs(req_to_token_pool.host, reqs, prefix_lens))
     if out is None:
         return False
     idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-    table[idx, torch.tensor(prefix_lens, dtype=torch.int64)] = out
+    req_to_token_pool.write(idx, torch.tensor(prefix_lens, dtype=torch.int64), out)
     batch.input_ids = [r.output_ids[-1] for r in reqs]
     batch.positions = prefix_lens
     batch.prefix_lens, batch.extend_lens, batch.out_cache_loc = prefix_lens, [1] * len(reqs), out

@@ -77,6 +77,11 @@ class Req:
         self.prefix_indices, self.last_node = match.device_indices, match.last_node
         self.extend_input_len = len(ids) - len(self.prefix_indices)
 
+    def drop_placeholder(self) -> None:
+        """Finished with a token still on its way (overlap): that token is not part of the output."""
+        if self.output_ids and self.output_ids[-1] < 0:
+            self.output_ids.pop()
+
     def reset_for_retract(self) -> None:
         self.req_pool_idx = None
         self.prefix_indices = EMPTY_INDICES
@@ -131,6 +136,7 @@ class ScheduleBatch:
     extend_lens: list[int] = field(default_factory=list)
     out_cache_loc: torch.Tensor = EMPTY_INDICES
     decoding_reqs: list[Req] = field(default_factory=list)  # MIXED: the decodes folded in
+    sampled_rows: list[int] = field(default_factory=list)  # rows whose sampled token is kept (commit)
 
     @property
     def seq_lens(self) -> list[int]:

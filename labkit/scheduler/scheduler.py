@@ -16,6 +16,8 @@ from labkit.io_struct import TokenizedGenerateReqInput
 from labkit.mem_cache.chunk_cache import ChunkCache
 from labkit.mem_cache.radix_cache import RadixCache
 from labkit.model_executor.forward_batch import ForwardMode
+from labkit.model_executor.model_runner import HostSample, future_token
+from labkit.sampling.sampler import SampleOutput
 from labkit.scheduler.limits import RequestLimits
 from labkit.scheduler.batch_memory import alloc_for_decode, alloc_for_extend, decode_slots_needed
 from labkit.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
@@ -25,6 +27,12 @@ from labkit.trace.events import PoolUsage, Station, StepRecord
 INIT_NEW_TOKEN_RATIO = 0.7  # share of max_new_tokens a running request is expected to still need
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002  # per decode step, back towards the minimum after a retraction
+
+
+def batch_needs_host_history(batch: ScheduleBatch) -> bool:
+    """Penalties are built from the output tokens on the host, so they cannot run behind a step."""
+    return any(r.sampling_params.frequency_penalty or r.sampling_params.presence_penalty
+               or r.sampling_params.repetition_penalty != 1 for r in batch.reqs)
 
 
 @dataclass
@@ -67,6 +75,10 @@ class Scheduler:
         self.aborted: list[Req] = []  # aborted since the last step, reported by the next one
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness
         self.step_id = 0
+        # Overlap scheduling: the batch launched last step, whose tokens the host has not taken yet.
+        on_cuda = model_runner.device.type == "cuda"
+        self.overlap = not config.disable_overlap_schedule and (on_cuda or config.overlap_schedule_on_cpu)
+        self.in_flight: tuple[ScheduleBatch, HostSample] | None = None
 
     # ---- input -------------------------------------------------------------------------------
     def add_request(self, recv: TokenizedGenerateReqInput) -> Req:
@@ -107,25 +119,43 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         self.tree_cache.cache_finished_req(req)
+        req.drop_placeholder()
         req.times["finished"] = time.perf_counter()
 
     # ---- one iteration -----------------------------------------------------------------------
     def step(self) -> StepOutput:
+        """Schedule and launch a batch, then take in the tokens of the batch before it. Without
+        overlap that is the batch just launched. With overlap (seed 003) it is the previous one: its
+        forward ran on the device while the host scheduled and launched this one, so a step reports
+        the tokens of the batch launched one step earlier."""
         self.step_id += 1
         start = time.perf_counter()
         self._release_aborted()
         out = StepOutput(step=self.step_id, forward_mode=ForwardMode.IDLE, finished=self.aborted)
         self.aborted = []
         batch = self.get_next_batch_to_run(out)
+        if batch is not None and self.in_flight is not None and batch_needs_host_history(batch):
+            self._take_in_flight(out, batch)  # its penalties need the tokens still on the device
+        launched = self.run_batch(batch) if batch is not None else None
+        self._take_in_flight(out, batch)
         if batch is not None:
-            result = self.run_batch(batch)
-            self.process_batch_result(batch, result, out)
+            self.commit_batch(batch)
+            # A batch of requests that all finished meanwhile (or a prompt chunk) has no token to take.
+            self.in_flight = (batch, launched) if batch.sampled_rows else None
+            if not self.overlap:
+                self._take_in_flight(out, None)
         if self.tracer is not None:
             self._trace_step(out, start)
         return out
 
+    def _take_in_flight(self, out: StepOutput, next_batch: ScheduleBatch | None) -> None:
+        if self.in_flight is not None:
+            batch, launched = self.in_flight
+            self.in_flight = None
+            self.process_batch_result(batch, launched.wait(), out, next_batch)
+
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running or self.chunked_req or self.aborted)
+        return bool(self.waiting_queue or self.running or self.chunked_req or self.aborted or self.in_flight)
 
     def get_next_batch_to_run(self, out: StepOutput) -> ScheduleBatch | None:
         """Prefill first (new requests get their first token soon), else decode the running ones."""
@@ -233,6 +263,7 @@ class Scheduler:
             req = victims.pop()
             self.tree_cache.cache_finished_req(req)
             if not victims:  # even alone it cannot grow: the pool is too small for this request
+                req.drop_placeholder()
                 req.finished_reason = FinishReason("length", len(req.output_ids), "KV pool exhausted")
                 req.times["finished"] = time.perf_counter()
                 self.aborted.append(req)
@@ -244,49 +275,77 @@ class Scheduler:
         self.waiting_queue = sorted(retracted, key=lambda r: r.times["arrival"]) + self.waiting_queue
         return [r.rid for r in retracted]
 
-    def run_batch(self, batch: ScheduleBatch):
+    def run_batch(self, batch: ScheduleBatch) -> HostSample:
+        """Queue the batch's forward and sampling on the device; the tokens come with `.wait()`."""
         forward_batch = self.model_runner.build_forward_batch(batch)
         start = time.perf_counter()
         logits = self.model_runner.forward(forward_batch)
         mid = time.perf_counter()
-        sample = self.model_runner.sample(logits, batch.reqs)
-        if self.tracer is not None:
-            self._trace_forward(batch, logits, sample, start, mid, time.perf_counter())
+        sample = self.model_runner.sample(logits, batch.reqs, forward_batch)
+        if self.tracer is not None:  # reads the logits now: tracing gives up the overlap
+            self._trace_forward(batch, logits, sample.wait(), start, mid, time.perf_counter())
         return sample
 
-    def process_batch_result(self, batch: ScheduleBatch, result, out: StepOutput) -> None:
-        next_ids = result.next_token_ids.tolist()
-        now = time.perf_counter()
+    def commit_batch(self, batch: ScheduleBatch) -> None:
+        """What the launched batch did that needs no token values: KV lengths, chunks cached, and a
+        placeholder for each request's coming token (the host learns it in process_batch_result)."""
         decoding = set(map(id, batch.reqs if batch.forward_mode.is_decode() else batch.decoding_reqs))
         for i, req in enumerate(batch.reqs):
+            if req.finished():  # it finished while this batch was being scheduled (overlap)
+                continue
             req.kv_len = batch.prefix_lens[i] + batch.extend_lens[i]
-            if req.is_chunked:  # more prompt to come: keep the chunk's KV, discard the token
+            if req.is_chunked:  # more prompt to come: keep the chunk's KV; its token is discarded
                 self.tree_cache.cache_unfinished_req(req)
                 continue
-            req.output_ids.append(next_ids[i])
+            req.output_ids.append(future_token(req.req_pool_idx))
+            batch.sampled_rows.append(i)
+            if id(req) not in decoding:  # prefill done: share the prompt's KV, start decoding
+                self.tree_cache.cache_unfinished_req(req)
+                self.running.append(req)
+
+    def process_batch_result(self, batch: ScheduleBatch, result: SampleOutput, out: StepOutput,
+                             next_batch: ScheduleBatch | None = None) -> None:
+        """Put the sampled tokens in place of their placeholders (each still the request's last output
+        id) and finish requests. `next_batch` is the batch scheduled after this one (overlap): a request
+        finishing now is in it, computing its last token's KV, so that slot is cached with the rest."""
+        next_ids = result.next_token_ids.tolist()
+        logprobs = result.logprobs.tolist() if result.logprobs is not None else None
+        in_next = set(map(id, next_batch.reqs)) if next_batch is not None else set()
+        now = time.perf_counter()
+        for i in batch.sampled_rows:
+            req = batch.reqs[i]
+            if req.finished():  # aborted or cut off after its batch was launched
+                continue
+            req.output_ids[-1] = next_ids[i]
             req.times.setdefault("first_token", now)
-            if result.logprobs is not None and req.sampling_params.return_logprob:
-                req.output_token_logprobs.append(float(result.logprobs[i]))
+            if logprobs is not None and req.sampling_params.return_logprob:
+                req.output_token_logprobs.append(logprobs[i])
                 if req.sampling_params.top_logprobs_num:
                     ids, lps = result.top_logprobs[i]
                     req.output_top_logprobs.append(list(zip(ids, lps)))
             out.new_token_ids[req.rid] = next_ids[i]
             req.check_finished(self.model_runner.eos_token_ids, self.tokenizer, self.max_req_len)
             if req.finished():
-                if id(req) in decoding:
-                    self.running.remove(req)
-                self._release(req)
+                self._finish(req, id(req) in in_next)
                 out.finished.append(req)
-            elif id(req) not in decoding:  # prefill done: share the prompt's KV, start decoding
-                self.tree_cache.cache_unfinished_req(req)
-                self.running.append(req)
+
+    def _finish(self, req: Req, in_next_batch: bool) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req.req_pool_idx is None:  # retracted while its last batch ran: it holds no memory
+            self.waiting_queue.remove(req)
+            req.times["finished"] = time.perf_counter()
+            return
+        if in_next_batch:
+            req.kv_len += 1
+        self._release(req)
 
     # ---- observability -----------------------------------------------------------------------
     def pool_usage(self) -> PoolUsage:
         """KV slots by owner, counted independently (a leak shows as a sum that is off)."""
         p = self.page_size
         live = self.running + ([self.chunked_req] if self.chunked_req else [])
-        table = self.req_to_token_pool.req_to_token
+        table = self.req_to_token_pool.host
         owned: set[int] = set()
         for req in live:
             if req.req_pool_idx is not None and req.kv_len:

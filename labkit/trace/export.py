@@ -7,6 +7,8 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from labkit.trace.events import PoolUsage, Station, StationEvent, StepRecord, TreeEvent
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -148,6 +150,33 @@ def save_perfetto(tracer: Tracer, path: str | Path) -> Path:
     path = Path(path)
     path.write_text(json.dumps(to_perfetto(tracer)))
     return path
+
+
+def from_perfetto(trace: dict[str, Any] | str | Path) -> Tracer:
+    """The Tracer a to_perfetto trace was made from (a dict, or the path of a saved one), so a trace
+    file (`python -m labkit.server --trace-file`) can be read back into tables and labkit.viz.
+
+    Times come back in seconds from the trace's zero (tracer.t0 of the run), details as JSON made
+    them (tuples as lists, enums by name); the counters are derived data and are skipped. Per-step
+    tree snapshots are not in a trace: views that need them (the radix tree per step) cannot be drawn.
+    """
+    from labkit.trace.recorder import Tracer  # the recorder imports this module
+
+    if not isinstance(trace, dict):
+        trace = json.loads(Path(trace).read_text())
+    tracer = Tracer()
+    for ev in trace["traceEvents"]:
+        args, start = dict(ev.get("args", {})), ev.get("ts", 0.0) / 1e6
+        end = start + ev.get("dur", 0.0) / 1e6
+        if ev.get("cat") == "station":
+            station = Station(int(ev["name"].split()[0]))
+            tracer.events.append(StationEvent(args.pop("rid"), station, start, end, args.pop("step"), args))
+        elif ev.get("cat") == "step":
+            pool = PoolUsage(**args.pop("pool"))
+            tracer.steps.append(StepRecord(start=start, end=end, forward_mode=ev["name"], pool=pool, **args))
+        elif ev.get("cat") == "tree":
+            tracer.tree_events.append(TreeEvent(kind=ev["name"].removeprefix("tree "), time=start, **args))
+    return tracer
 
 
 def _jsonable(value: Any) -> Any:

@@ -5,7 +5,9 @@ value of a cell), tables are pandas DataFrames.
     run = Run.of(engine)                       # or run_requests(engine, requests) -> Run
     draw_radix_tree(run, step=5)               # the tree as step 5 left it (engine alone: live now)
     draw_timeline(run); draw_memory(run); draw_waiting(run)
+    draw_journey(run, rid); journey_latency(run, rid)    # one request's ten stations, TTFT, per-token times
     draw_kv_pool(kv_snapshot(engine))          # request-to-token table and page pool, live
+    draw_stations_by_process(from_perfetto("trace.json"))   # a server trace: stations by process
     StationStepper(run, rid).show(); RunReplayer(run).show()   # ipywidgets, static fallback
 
 How the tree is rebuilt per step: the scheduler's trace hook records a compact TreeSnapshot (nodes
@@ -14,8 +16,10 @@ inserted, split or evicted in it.
 """
 from labkit.viz.kvpool import (describe_request, draw_kv_pool, fragmentation, kv_snapshot, page_owners,
                                req_to_token_table)
+from labkit.viz.journey import draw_journey, journey_latency
 from labkit.viz.memory import draw_memory, memory_frame
 from labkit.viz.policies import draw_policy_comparison
+from labkit.viz.processes import draw_stations_by_process
 from labkit.viz.run import Run
 from labkit.viz.timeline import batch_frame, cells_frame, draw_timeline, draw_timelines
 from labkit.viz.tree import draw_radix_tree
@@ -50,9 +54,9 @@ _register_png_formatter()
 
 __all__ = [
     "Run", "Request", "RunReplayer", "StationStepper", "batch_frame", "bench_policies", "cells_frame",
-    "chat_requests", "describe_request", "draw_kv_pool", "draw_memory", "draw_policy_comparison",
-    "draw_radix_tree", "draw_timeline", "draw_timelines", "draw_waiting", "fragmentation", "kv_snapshot",
-    "latency_table", "memory_frame", "mini_model_path", "page_owners", "random_workload", "req_to_token_table",
-    "request_metrics", "run_policy", "run_requests", "shared_prefix_workload", "summarize", "token_times",
-    "waiting_frame", "waiting_table", "widget_frontend",
+    "chat_requests", "describe_request", "draw_journey", "draw_kv_pool", "draw_memory", "draw_policy_comparison",
+    "draw_radix_tree", "draw_stations_by_process", "draw_timeline", "draw_timelines", "draw_waiting",
+    "fragmentation", "journey_latency", "kv_snapshot", "latency_table", "memory_frame", "mini_model_path", "page_owners",
+    "random_workload", "req_to_token_table", "request_metrics", "run_policy", "run_requests",
+    "shared_prefix_workload", "summarize", "token_times", "waiting_frame", "waiting_table", "widget_frontend",
 ]  # fmt: skip

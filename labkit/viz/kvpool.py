@@ -45,7 +45,7 @@ class KVSnapshot:
 def kv_snapshot(engine: Any) -> KVSnapshot:
     """Copy the live pools of `engine` (an Engine): request rows, tree slots, free pages."""
     sched = engine.scheduler
-    table = engine.req_to_token_pool.req_to_token
+    table = engine.req_to_token_pool.host
     live = [(r, "running") for r in sched.running]
     if sched.chunked_req is not None:
         live.append((sched.chunked_req, "chunked"))

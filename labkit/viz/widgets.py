@@ -21,18 +21,12 @@ import pandas as pd
 
 from labkit.trace.events import Station, StationEvent
 from labkit.viz import style
+from labkit.viz.journey import STATION_TITLES, draw_journey, request_events
 from labkit.viz.memory import draw_memory
 from labkit.viz.run import Run, token_text
 from labkit.viz.timeline import draw_timeline
 from labkit.viz.tree import draw_radix_tree
 from labkit.viz.waiting import draw_waiting, waiting_table
-
-STATION_TITLES = {
-    Station.HTTP_RECEIVE: "1 HTTP receive", Station.PARSE_VALIDATE: "2 parse / validate",
-    Station.TOKENIZE: "3 tokenize", Station.ZMQ_SEND: "4 ZMQ send", Station.ENQUEUE: "5 enqueue (prefix match)",
-    Station.BATCH: "6 batch", Station.FORWARD: "7 forward", Station.SAMPLE: "8 sample",
-    Station.DETOKENIZE: "9 detokenize (+ finish check)", Station.RESPOND: "10 respond",
-}  # fmt: skip
 
 
 def widget_frontend() -> bool:
@@ -155,10 +149,7 @@ class StationStepper:
     def __init__(self, source: Any, rid: str | None = None):
         self.run = Run.of(source)
         self.rid = rid if rid is not None else self.run.rids[0]
-        self.events = sorted((e for e in self.run.tracer.events if e.rid == self.rid),
-                             key=lambda e: (e.start, e.station))
-        if not self.events:
-            raise ValueError(f"no station events for {self.rid!r}")
+        self.events = request_events(self.run, self.rid)
 
     def table(self) -> pd.DataFrame:
         """Every station visit of the request: time, station, step, in and out (one line each)."""
@@ -183,29 +174,8 @@ class StationStepper:
                 f"<tr><th align=left>out</th><th></th></tr>{rows_out}</table>")
 
     def figure(self, i: int | None = None):
-        """The request's journey: one row per station, a mark per visit, time in ms; event i highlighted."""
-        t0 = self.events[0].start
-        stations = sorted({e.station for e in self.events})
-        fig = style.new_figure(10, 0.32 * len(stations) + 1.2)
-        ax = fig.subplots()
-        row = {s: k for k, s in enumerate(stations)}
-        for k, e in enumerate(self.events):
-            x0, w = (e.start - t0) * 1e3, max((e.end - e.start) * 1e3, 0.0)
-            color = "#e63946" if k == i else "#457b9d"
-            ax.barh(row[e.station], w, left=x0, height=0.6, color=color)
-            ax.plot(x0, row[e.station], marker="o", ms=4 if k != i else 8, color=color)
-        for s in self.run.steps:  # retractions: the request went back to the waiting queue
-            if self.rid in s.retracted:  # decided at the start of the step, before its batch
-                x = (s.start - t0) * 1e3
-                ax.axvline(x, color="black", lw=1.2, ls="--")
-                ax.text(x, -0.45, f" retracted (step {s.step}): back to the queue", fontsize=7.5, va="top")
-        ax.set_yticks(range(len(stations)), [STATION_TITLES.get(s, s.name) for s in stations], fontsize=8)
-        ax.set_ylim(len(stations) - 0.5, -0.5)
-        ax.set_xlabel("ms since the request was tokenized")
-        ax.set_title(f"Stations visited by {self.rid}" + (" (red: the current one)" if i is not None else ""),
-                     loc="left", fontsize=10, weight="bold")
-        ax.grid(axis="x", color="#eeeeee")
-        return fig
+        """The request's journey (labkit.viz.journey.draw_journey), event i highlighted."""
+        return draw_journey(self.run, self.rid, highlight=i)
 
     def widget(self):
         import ipywidgets as w

@@ -92,17 +92,15 @@ def device_harness(paged_kv_harness):
     harness itself builds everything on the CPU). Construct it as PagedKVHarness, backend by name."""
     from dataclasses import fields, replace
 
-    from labkit.attention import ATTENTION_BACKENDS
+    from labkit.attention import get_attention_backend
 
     class DeviceHarness(paged_kv_harness):
         def __init__(self, *args, backend: str = "triton", **kwargs):
-            import labkit.attention.triton_backend  # noqa: F401  (registers "triton")
-
             super().__init__(*args, **kwargs)
             self.req_pool.req_to_token = self.req_pool.req_to_token.to(DEVICE)
             self.kv_pool.k_buffer = [b.to(DEVICE) for b in self.kv_pool.k_buffer]
             self.kv_pool.v_buffer = [b.to(DEVICE) for b in self.kv_pool.v_buffer]
-            self.backend = ATTENTION_BACKENDS[backend](replace(self.backend.config, device=DEVICE))
+            self.backend = get_attention_backend(backend)(replace(self.backend.config, device=DEVICE))
 
         def batch(self, mode, items, input_ids=None):
             fb = super().batch(mode, items, input_ids)

@@ -1,7 +1,9 @@
 """The "triton" attention backend gives torch_native's results: per layer call, and as whole-model
-logits over prefill, decode, mixed and extend-with-prefix steps."""
+logits over prefill, decode, mixed and extend-with-prefix steps. The per-layer test also runs the
+"flashinfer" backend where FlashInfer is importable (CUDA, 16-bit)."""
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -14,6 +16,7 @@ from labkit.model_executor.forward_batch import ForwardMode
 
 LAYER = 1  # not 0, so a layer-index mix-up shows
 CUDA = torch.cuda.is_available()
+BACKENDS = ["triton"] + (["flashinfer"] if CUDA and importlib.util.find_spec("flashinfer") else [])
 
 SHAPES = {  # (prefix_len, new_len) per request
     ForwardMode.EXTEND: [(0, 7), (5, 9), (33, 1), (16, 20)],
@@ -53,14 +56,17 @@ def _fill(h, shape, gen, device, dtype, spec):
     return reqs
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", list(SHAPES), ids=lambda m: m.name)
 @pytest.mark.parametrize("heads,head_dim,page_size", LAYER_SHAPES,
                          ids=[f"h{h}-kv{kv}-d{d}-page{p}" for (h, kv), d, p in LAYER_SHAPES])
-def test_backend_matches_torch_native(mode, heads, head_dim, page_size, dtype, device, gen, device_harness,
-                                      check_close):
+def test_backend_matches_torch_native(backend, mode, heads, head_dim, page_size, dtype, device, gen,
+                                      device_harness, check_close):
+    if backend == "flashinfer" and dtype == torch.float32:
+        pytest.skip("FlashInfer's kernels take 16-bit K/V")
     num_heads, num_kv_heads = heads
     h = device_harness(2, num_heads, num_kv_heads, head_dim, page_size, dtype=dtype,
-                       num_pages=2048 // page_size, max_ctx=2048)
+                       num_pages=2048 // page_size, max_ctx=2048, backend=backend)
     spec = AttentionLayerSpec(LAYER, num_heads, num_kv_heads, head_dim, 1 / math.sqrt(head_dim))
     reqs = _fill(h, SHAPES[mode], gen, device, dtype, spec)
     fb = h.batch(mode, [(r, n) for r, (_, n) in zip(reqs, SHAPES[mode])])

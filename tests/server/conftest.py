@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import pytest
-from server_process import start_server, stop_server
+
+from labkit.server.process import start_server
 
 
 @pytest.fixture(scope="module")
@@ -10,7 +11,7 @@ def server():
     """The embedded model with metrics on; shut down with SIGTERM and checked to exit cleanly."""
     s = start_server("--enable-metrics", "--log-level", "warning")
     yield s
-    assert stop_server(s) == 0
+    assert s.stop() == 0
 
 
 @pytest.fixture(scope="module")

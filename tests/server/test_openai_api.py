@@ -7,7 +7,7 @@ import re
 import httpx
 import pytest
 
-from server_process import MODEL
+from server_process import MODEL, wait_idle
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -148,7 +148,7 @@ def test_64_concurrent_streams_match_sequential_greedy(server, client):
     sequential = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
                   for p in prompts]
     assert concurrent == sequential
-    server.wait_idle()
+    wait_idle(server)
 
 
 def test_metrics_report_requests_tokens_and_latencies(server, client):

@@ -7,7 +7,9 @@ import time
 
 import httpx
 import pytest
-from server_process import MODEL, start_server, stop_server
+from server_process import MODEL, wait_idle
+
+from labkit.server.process import start_server
 
 KEY = "sk-test-key"
 LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}  # ~10 s of decoding on CPU
@@ -18,7 +20,7 @@ def server():
     s = start_server("--enable-metrics", "--log-level", "warning", "--context-length", "256",
                      "--max-running-requests", "2", "--max-queued-requests", "1", api_key=KEY)
     yield s
-    assert stop_server(s) == 0
+    assert s.stop() == 0
 
 
 def error_of(r: httpx.Response, status: int) -> dict:
@@ -93,7 +95,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_memory(server):
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # it is running
     start = time.monotonic()
-    server.wait_idle(timeout=8)  # well before the 200 tokens could have finished
+    wait_idle(server, timeout=8)  # well before the 200 tokens could have finished
     assert time.monotonic() - start < 8
     assert _metric(server, "aborted_requests_total") == aborted + 1
 
@@ -103,7 +105,7 @@ def test_client_disconnect_mid_request_aborts_and_frees_memory(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", headers=server.headers(), timeout=1.5,
                    json={"model": MODEL, "prompt": "Tell me a long story.", **LONG})
-    server.wait_idle(timeout=8)
+    wait_idle(server, timeout=8)
     assert _metric(server, "aborted_requests_total") == aborted + 1
 
 
@@ -139,7 +141,7 @@ def test_abort_request_and_flush_cache_while_running(server):
     assert r.status_code == 200 and len(r.json()["aborted"]) == 1
     thread.join(timeout=30)
     assert results == ["abort"]
-    server.wait_idle()
+    wait_idle(server, )
     assert server.post("/flush_cache").status_code == 200
     assert server.info()["pool"]["evictable"] == 0
 
@@ -156,5 +158,5 @@ def test_too_many_queued_requests_get_503_with_retry_after(server):
     for t in threads:
         t.join(timeout=60)
     assert results == ["abort"] * 3
-    server.wait_idle()
+    wait_idle(server, )
     assert chat(server).status_code == 200

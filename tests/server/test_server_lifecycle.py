@@ -10,8 +10,9 @@ import time
 
 import httpx
 import pytest
-from server_process import MODEL, spawn_server, start_server, stop_server
+from server_process import MODEL
 
+from labkit.server.process import spawn_server, start_server
 from labkit.server.server_args import ServerArgs
 from labkit.trace.events import Station
 
@@ -55,7 +56,7 @@ def test_trace_file_is_written_at_shutdown(tmp_path):
         r = s.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 3})
         assert r.status_code == 200
     finally:
-        assert stop_server(s) == 0
+        assert s.stop() == 0
     rid = r.json()["id"] + "-0"
     events = json.loads(trace.read_text())["traceEvents"]
     stations = {e["name"] for e in events if e.get("cat") == "station" and e["args"]["rid"] == rid}
