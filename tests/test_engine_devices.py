@@ -149,3 +149,18 @@ def test_cuda_backends_agree_on_greedy_outputs_in_bfloat16(checkpoint, variant):
     # A flip needs the top two within about twice one logprob's bf16 error (bounded at 0.15 against
     # transformers above; on these models a bf16 step of a logprob near -10 is 0.0625).
     assert all(g < 0.1 for g in gaps), f"differences at top-2 logprob gaps {gaps}"
+
+
+@NO_CUDA
+def test_embedded_model_answers_the_chat_prompts_on_cuda(embedded_dir):
+    """The real embedded model under the CUDA defaults (bfloat16, triton, CUDA graphs, overlap) answers
+    the chat prompt the CPU tests ask, as on the CPU, and ends its answers by itself."""
+    engine = Engine(model_path=str(embedded_dir))
+    assert engine.model_runner.device.type == "cuda" and engine.scheduler.overlap
+    questions = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
+    outs = engine.generate(messages=[[{"role": "user", "content": q}] for q in questions],
+                           sampling_params={"temperature": 0, "max_new_tokens": 96})
+    for q, o in zip(questions, outs):
+        print(f"{q!r} -> {o['text']!r}")
+    assert "Paris" in outs[0]["text"]
+    assert all(o["meta_info"]["finish_reason"]["type"] == "stop" and o["text"].strip() for o in outs)
