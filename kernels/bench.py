@@ -15,15 +15,17 @@ import triton
 from labkit.kernels import ExtendPlan, decode_attention, extend_attention
 
 
-def _ceilings(device: torch.device) -> tuple[float, float]:
-    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s), measured."""
-    src = torch.randn(1 << 28, device=device, dtype=torch.bfloat16)  # 512 MiB
+def measure_ceilings(device: torch.device, copy_elements: int = 1 << 28) -> tuple[float, float]:
+    """(copy bandwidth in bytes/s from a device-to-device copy of copy_elements bf16 values, counting
+    read + write; bf16 matmul FLOP/s from an 8192^3 product of random matrices), both measured."""
+    src = torch.randn(copy_elements, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    bw = 2 * src.numel() * 2 / (ms * 1e-3)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
+    bw = 2 * src.numel() * src.element_size() / (ms * 1e-3)
+    del src, dst
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    ms = triton.testing.do_bench(lambda: a @ b, return_mode="median")
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=200, return_mode="median")
     return bw, 2 * 8192 ** 3 / (ms * 1e-3)
 
 
@@ -69,7 +71,7 @@ def _flashinfer_prefill(q, k, v, batch: int, new: int, scale: float) -> float:
 def main() -> None:
     device = torch.device("cuda")
     dtype = torch.bfloat16
-    bw, flops = _ceilings(device)
+    bw, flops = measure_ceilings(device)
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     has_flashinfer = importlib.util.find_spec("flashinfer") is not None
     print(f"{'case':<44} {'ms':>8} {'floor':>8} {'sdpa':>8} {'flashinf':>8}  achieved (labkit)")

@@ -5,25 +5,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from labkit.attention.reference import dense_attention
+
 
 def reference_store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
                        k: torch.Tensor, v: torch.Tensor) -> None:
     """k_buffer[loc] = k, v_buffer[loc] = v (cast to the buffer dtype)."""
     k_buffer[loc] = k.to(k_buffer.dtype)
     v_buffer[loc] = v.to(v_buffer.dtype)
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, sm_scale: float) -> torch.Tensor:
-    """Causal GQA attention in float32: q [n, H, D] at positions first_pos.., k, v [L, H_kv, D] at 0..L-1."""
-    n, num_heads, _ = q.shape
-    group = num_heads // k.shape[1]
-    kh = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
-    vh = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = q.float().transpose(0, 1) @ kh.transpose(1, 2) * sm_scale  # [H, n, L]
-    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= (
-        torch.arange(n, device=q.device)[:, None] + first_pos)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return (scores.softmax(-1) @ vh).transpose(0, 1)  # [n, H, D]
 
 
 def reference_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -34,7 +23,7 @@ def reference_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer
     out = torch.empty_like(q)
     for b, (r, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         slots = req_to_token[r, :n]
-        out[b] = _attend(q[b:b + 1], k_buffer[slots], v_buffer[slots], n - 1, sm_scale)[0].to(q.dtype)
+        out[b] = dense_attention(q[b:b + 1], k_buffer[slots], v_buffer[slots], n - 1, sm_scale)[0].to(q.dtype)
     return out
 
 
@@ -52,7 +41,7 @@ def reference_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         slots = req_to_token[r, :p]
         ks = torch.cat([k_buffer[slots].to(k.dtype), k[s:s + n]])
         vs = torch.cat([v_buffer[slots].to(v.dtype), v[s:s + n]])
-        out[s:s + n] = _attend(q[s:s + n], ks, vs, p, sm_scale).to(q.dtype)
+        out[s:s + n] = dense_attention(q[s:s + n], ks, vs, p, sm_scale).to(q.dtype)
     return out
 
 

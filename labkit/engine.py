@@ -12,7 +12,7 @@ from labkit.config import EngineConfig
 from labkit.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 from labkit.model_executor.forward_batch import ForwardMode
 from labkit.model_executor.model_runner import ModelRunner
-from labkit.model_loader.loader import load_tokenizer, resolve_model_dir
+from labkit.model_loader.loader import model_dir_and_tokenizer
 from labkit.sampling.sampling_params import SamplingParams
 from labkit.scheduler.schedule_batch import Req
 from labkit.scheduler.scheduler import Scheduler, StepOutput
@@ -45,8 +45,7 @@ class EngineStep:
 def build_scheduler(config: EngineConfig, tracer: Tracer | None = None) -> Scheduler:
     """Load the tokenizer and model, size the pools, and wire ModelRunner into a Scheduler. The
     Engine and the server's scheduler process both start here."""
-    model_dir = resolve_model_dir(config.model_path) if config.load_format != "dummy" else None
-    tokenizer = load_tokenizer(model_dir) if model_dir is not None else None
+    model_dir, tokenizer = model_dir_and_tokenizer(config.model_path, config.load_format)
     return Scheduler(config, ModelRunner(config, tokenizer, model_dir), tokenizer, tracer)
 
 

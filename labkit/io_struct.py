@@ -76,7 +76,6 @@ class ReqOutput(msgspec.Struct, kw_only=True):
     rid: str
     token_ids: list[int]
     finish_reason: dict[str, Any] | None = None  # FinishReason.to_dict() once finished
-    prompt_tokens: int = 0
     cached_tokens: int = 0
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None

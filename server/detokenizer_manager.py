@@ -12,7 +12,7 @@ import zmq
 
 from labkit.config import EngineConfig
 from labkit.io_struct import BatchStrOutput, BatchTokenIDOutput, TraceChunk
-from labkit.model_loader.loader import load_tokenizer, resolve_model_dir
+from labkit.model_loader.loader import model_dir_and_tokenizer
 from labkit.server.ipc import ENCODER, PortArgs, init_child, parent_alive, pull_socket, push_socket
 from labkit.server.server_args import ServerArgs
 from labkit.tokenizer.detokenizer import IncrementalDetokenizer
@@ -69,7 +69,7 @@ class DetokenizerLoop:
     @classmethod
     def create(cls, config: EngineConfig, ports: PortArgs) -> DetokenizerLoop:
         """Load the model's tokenizer (none for dummy weights) and bind to `ports`."""
-        tokenizer = load_tokenizer(resolve_model_dir(config.model_path)) if config.load_format != "dummy" else None
+        _, tokenizer = model_dir_and_tokenizer(config.model_path, config.load_format)
         return cls(DetokenizerManager(tokenizer, trace=config.enable_trace), ports)
 
     def close(self) -> None:

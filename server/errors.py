@@ -11,9 +11,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable",
-          500: "internal_error"}
+# The error type of a status; any other is "invalid_request_error".
+_TYPES = {401: "authentication_error", 500: "internal_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):

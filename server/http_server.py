@@ -75,26 +75,27 @@ def create_app(runtime: AppRuntime) -> FastAPI:
     def openai() -> OpenAIServing:
         return OpenAIServing(tm(), runtime.model_name)
 
+    async def generation_ok(manager: TokenizerManager) -> Response:
+        if await manager.generate_one_token(HEALTH_TIMEOUT_S):
+            return Response(status_code=200)
+        raise APIError(503, "the generation path did not answer", code="server_unavailable")
+
     @app.get("/health")
     async def health() -> Response:
         manager = tm()
-        if time.perf_counter() - manager.last_finish_time < HEALTH_FRESH_S \
-                or await manager.generate_one_token(HEALTH_TIMEOUT_S):
+        if time.perf_counter() - manager.last_finish_time < HEALTH_FRESH_S:
             return Response(status_code=200)
-        raise APIError(503, "the generation path did not answer", code="server_unavailable")
+        return await generation_ok(manager)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        if await tm().generate_one_token(HEALTH_TIMEOUT_S):
-            return Response(status_code=200)
-        raise APIError(503, "the generation path did not answer", code="server_unavailable")
+        return await generation_ok(tm())
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        tm()
         return JSONResponse({"object": "list", "data": [{
             "id": runtime.model_name, "object": "model", "created": runtime.created, "owned_by": "labkit",
-            "max_model_len": runtime.tm.limits.context_len}]})
+            "max_model_len": tm().limits.context_len}]})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:

@@ -32,7 +32,7 @@ import zmq
 from labkit.config import EngineConfig
 from labkit.io_struct import BatchStrOutput, ToScheduler
 from labkit.scheduler.scheduler import Scheduler
-from labkit.server.detokenizer_manager import DetokenizerLoop
+from labkit.server.detokenizer_manager import DetokenizerLoop, DetokenizerManager
 from labkit.server.http_server import create_app
 from labkit.server.ipc import PortArgs
 from labkit.server.launch import model_name_of
@@ -43,7 +43,7 @@ from labkit.trace.recorder import Tracer
 
 T = TypeVar("T")
 POLL_S = 0.001  # how long a side waiting for a message lets the event loop run before it looks again
-STEP_MESSAGE_WAIT_MS = 20  # at most; only a step that sends nothing (an untraced prefill chunk) waits it out
+STEP_MESSAGE_WAIT_MS = 20  # at most, for a message the scheduler has just sent
 
 
 class InProcessServer:
@@ -60,7 +60,9 @@ class InProcessServer:
         self.ports = PortArgs.create()
         try:
             self.scheduler_loop = SchedulerLoop.create(self.args.engine, self.ports)
-            self.detokenizer_loop = DetokenizerLoop.create(self.args.engine, self.ports)
+            # One process: the detokenizer shares the tokenizer the scheduler loaded.
+            self.detokenizer_loop = DetokenizerLoop(
+                DetokenizerManager(self.scheduler.tokenizer, trace=self.args.engine.enable_trace), self.ports)
         except BaseException:
             self.ports.cleanup()
             raise
@@ -126,10 +128,10 @@ class InProcessServer:
             while not task.done():
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no answer within {timeout_s} s")
-                stepped = self.scheduler_loop.run_once(0)
+                sent = self.scheduler_loop.run_once(0)
                 # A step's message is on its way (ipc delivery is not instant): wait for it, so that
                 # its tokens are detokenized now, not after the next step.
-                self.detokenizer_loop.run_once(STEP_MESSAGE_WAIT_MS if stepped else 0)
+                self.detokenizer_loop.run_once(STEP_MESSAGE_WAIT_MS if sent else 0)
                 await asyncio.sleep(POLL_S)
         finally:
             task.cancel()  # a no-op once it is done

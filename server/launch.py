@@ -20,7 +20,7 @@ from pathlib import Path
 import uvicorn
 
 from labkit.model_loader.embedded import EMBEDDED_MODEL_NAME
-from labkit.model_loader.loader import load_tokenizer, resolve_model_dir
+from labkit.model_loader.loader import model_dir_and_tokenizer
 from labkit.server.detokenizer_manager import run_detokenizer_process
 from labkit.server.http_server import create_app
 from labkit.server.ipc import PortArgs
@@ -164,9 +164,8 @@ def _exit_cleanly(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = ServerArgs.from_cli(argv)
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s main] %(levelname)s %(message)s")
-    dummy = args.engine.load_format == "dummy"
-    model_dir = None if dummy else resolve_model_dir(args.engine.model_path)  # converts the GGUF once
-    tokenizer = None if dummy else load_tokenizer(model_dir)
+    # Before the children start: the embedded model's GGUF is converted here, once.
+    _, tokenizer = model_dir_and_tokenizer(args.engine.model_path, args.engine.load_format)
     launcher = Launcher(args)
     launcher.start_children()
     runtime = ServerRuntime(args, launcher, tokenizer, model_name_of(args))

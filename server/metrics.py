@@ -16,7 +16,7 @@ class Histogram:
     name: str
     help: str
     buckets: tuple[float, ...] = LATENCY_BUCKETS
-    counts: list[int] = field(default_factory=list)  # per bucket (not cumulative), +Inf last
+    counts: list[int] = field(init=False)  # per bucket (not cumulative), +Inf last
     sum: float = 0.0
 
     def __post_init__(self) -> None:

@@ -67,8 +67,7 @@ class OpenAIServing:
     async def _serve(self, req, raw: Request, prompts: list[dict], max_new: int, chat: bool) -> Response:
         if req.model != self.model_name:
             raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
-                                f"'{self.model_name}'", code="model_not_found", type="invalid_request_error",
-                           param="model")
+                                f"'{self.model_name}'", code="model_not_found", param="model")
         resp_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         gen_reqs, where = [], []
         for p_idx, prompt in enumerate(prompts):
@@ -196,10 +195,12 @@ class _Formatter:
         """OpenAI's logprobs object; `offset` is where these tokens' text starts in the choice's text."""
         token = self._token_text
         if self.chat:
-            return {"content": [{
-                "token": token(t), "logprob": lp, "bytes": list(token(t).encode()),
-                "top_logprobs": [{"token": token(i), "logprob": v, "bytes": list(token(i).encode())}
-                                 for i, v in (tops or [])]} for t, lp, tops in entries]}
+            def entry(token_id: int, logprob: float) -> dict[str, Any]:
+                text = token(token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in (tops or [])]}
+                                for t, lp, tops in entries]}
         tokens = [token(t) for t, _, _ in entries]
         offsets, pos = [], offset
         for t in tokens:

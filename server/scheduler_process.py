@@ -77,13 +77,12 @@ class SchedulerLoop:
     def run_once(self, idle_poll_ms: int) -> bool:
         """One turn: take the messages that arrived (waiting up to idle_poll_ms if there is no work),
         then run one scheduler step, if there is work, and send its outputs to the detokenizer.
-        Returns whether a step ran."""
+        Returns whether a message went to the detokenizer."""
         for msg in self.recv_requests(idle_poll_ms):
             self.process_input_request(msg)
         if not self.scheduler.has_work():
             return False
-        self.send_outputs(self.scheduler.step())
-        return True
+        return self.send_outputs(self.scheduler.step())
 
     def recv_requests(self, idle_poll_ms: int) -> list:
         timeout = 0 if self.scheduler.has_work() else idle_poll_ms
@@ -127,7 +126,8 @@ class SchedulerLoop:
             })
         return ControlOutput(req_id=req.req_id, ok=False, message=f"unknown action {req.action!r}")
 
-    def send_outputs(self, out: StepOutput) -> None:
+    def send_outputs(self, out: StepOutput) -> bool:
+        """The step's tokens (and trace records) to the detokenizer; whether there was anything to send."""
         live = {r.rid: r for r in self.scheduler.running}
         finished = {r.rid: r for r in out.finished}
         outputs = []
@@ -135,10 +135,7 @@ class SchedulerLoop:
             req = finished.get(rid) or live[rid]
             params = req.sampling_params
             new = [out.new_token_ids[rid]] if rid in out.new_token_ids else []
-            o = ReqOutput(rid=rid, token_ids=new, prompt_tokens=len(req.origin_input_ids),
-                          cached_tokens=req.cached_tokens)
-            if req.finished():
-                o.finish_reason = req.finished_reason.to_dict()
+            o = ReqOutput(rid=rid, token_ids=new, cached_tokens=req.cached_tokens)
             if params.return_logprob and new:
                 o.token_logprobs = req.output_token_logprobs[-1:]
                 if params.top_logprobs_num:
@@ -148,10 +145,11 @@ class SchedulerLoop:
                                                 skip_special_tokens=params.skip_special_tokens,
                                                 spaces_between_special_tokens=params.spaces_between_special_tokens)
                 self.announced.add(rid)
-            if o.finish_reason is not None:
+            if req.finished():
+                o.finish_reason = req.finished_reason.to_dict()
                 self.announced.discard(rid)
             outputs.append(o)
-        self._send(outputs, self._drain_trace())
+        return self._send(outputs, self._drain_trace())
 
     def _drain_trace(self) -> TraceChunk | None:
         tracer = self.scheduler.tracer
@@ -162,7 +160,9 @@ class SchedulerLoop:
         tracer.clear()
         return chunk
 
-    def _send(self, outputs: list[ReqOutput], trace: TraceChunk | None) -> None:
-        if outputs or trace is not None:
-            self.send_to_detokenizer.send(ENCODER.encode(BatchTokenIDOutput(outputs=outputs, trace=trace)))
+    def _send(self, outputs: list[ReqOutput], trace: TraceChunk | None) -> bool:
+        if not outputs and trace is None:
+            return False
+        self.send_to_detokenizer.send(ENCODER.encode(BatchTokenIDOutput(outputs=outputs, trace=trace)))
+        return True
 

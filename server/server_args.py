@@ -50,7 +50,7 @@ class ServerArgs:
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=30000, metadata={"help": "port to listen on"})
     served_model_name: str | None = field(default=None, metadata={
-        "help": "model name in the API (default: the model directory's name)"})
+        "help": "model name in the API (default: --model-path, or the embedded model's name)"})
     max_queued_requests: int | None = field(default=None, metadata={
         "help": "requests allowed to wait beyond --max-running-requests; more get 503 (default: no limit)"})
     api_key: str | None = field(default=None, metadata={

@@ -48,7 +48,6 @@ class ReqState:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     finished: bool = False
     error: str | None = None
-    completion_tokens: int = 0
     last_token_time: float | None = None
 
 
@@ -109,16 +108,19 @@ class TokenizerManager:
         checked = time.perf_counter()
         try:
             while True:
-                try:
-                    await asyncio.wait_for(state.event.wait(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    pass
-                # Checked by the clock, not only on timeouts: outputs may arrive faster than the poll.
-                if is_disconnected is not None and time.perf_counter() - checked >= DISCONNECT_POLL_S:
-                    checked = time.perf_counter()
-                    if await is_disconnected():
-                        logger.info("client of %s disconnected; aborting it", state.rid)
-                        return
+                if is_disconnected is None:
+                    await state.event.wait()
+                else:
+                    try:
+                        await asyncio.wait_for(state.event.wait(), DISCONNECT_POLL_S)
+                    except asyncio.TimeoutError:
+                        pass
+                    # Checked by the clock, not only on timeouts: outputs may arrive faster than the poll.
+                    if time.perf_counter() - checked >= DISCONNECT_POLL_S:
+                        checked = time.perf_counter()
+                        if await is_disconnected():
+                            logger.info("client of %s disconnected; aborting it", state.rid)
+                            return
                 if not state.event.is_set():
                     continue
                 state.event.clear()
@@ -195,7 +197,6 @@ class TokenizerManager:
                 else:
                     m.itl.observe((now - state.last_token_time) / len(out.token_ids))
                 state.last_token_time = now
-                state.completion_tokens += len(out.token_ids)
                 m.inc("generation_tokens_total", len(out.token_ids))
             if out.finish_reason is not None:
                 state.finished = True

@@ -7,22 +7,10 @@ import pytest
 import torch
 
 from labkit.attention import AttentionLayerSpec
+from labkit.attention.reference import dense_attention
 from labkit.model_executor.forward_batch import ForwardMode
 
 LAYER = 1  # not 0, so a layer-index mix-up shows
-
-
-
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
-    """q [n, H, D] at positions prefix..prefix+n-1; k, v [prefix+n, H_kv, D]; float64 dense."""
-    n, num_heads, _ = q.shape
-    group = num_heads // k.shape[1]
-    kh = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
-    vh = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = q.double().transpose(0, 1) @ kh.transpose(1, 2) * scale  # [H, n, L]
-    visible = torch.arange(k.shape[0])[None, :] <= (torch.arange(n)[:, None] + prefix)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return (scores.softmax(-1) @ vh).transpose(0, 1).reshape(n, -1)
 
 
 def _run(harness_cls, mode: ForwardMode, shape: list[tuple[int, int]], num_heads: int,
@@ -55,7 +43,8 @@ def _run(harness_cls, mode: ForwardMode, shape: list[tuple[int, int]], num_heads
     start = 0
     for (prefix, n), kp, vp in zip(shape, full_k, full_v):
         sl = slice(start, start + n)
-        ref = _reference(q[sl], torch.cat([kp, k[sl]]), torch.cat([vp, v[sl]]), prefix, spec.scaling)
+        ref = dense_attention(q[sl], torch.cat([kp, k[sl]]), torch.cat([vp, v[sl]]), prefix, spec.scaling,
+                              torch.float64).reshape(n, -1)
         torch.testing.assert_close(out[sl].double(), ref, atol=2e-5, rtol=1e-5)
         start += n
 

@@ -3,7 +3,7 @@ without outputs.
 
 The kernel gets OMP_NUM_THREADS=1 unless the caller sets it: on a small shared CPU box, torch's
 worker threads spin-wait while other processes hold the cores, which made the same notebook cell
-20x slower with 2 threads than with 1 on the 2-core development machine.
+many times slower with 2 threads than with 1 on a 2-core machine.
 """
 from __future__ import annotations
 

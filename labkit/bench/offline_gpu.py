@@ -16,7 +16,11 @@ weights of a data/configs shape (default qwen3-0.6b) in bfloat16. In the same ru
 - the roofline: every decode step must read all weights plus the KV of every running sequence
   from HBM (bandwidth measured here by a device-to-device copy); prefill needs its FLOPs at the
   bf16 matrix rate measured here. Reported as achieved % (floor time / measured time);
-- batch-1 decode time per output token for --batch1-models, with and without CUDA graphs.
+- batch-1 decode time per output token for --batch1-models, in each of --batch1-variants (CUDA
+  graphs, graphs + torch.compile, eager).
+
+--compare-overlap runs labkit a second time with overlap scheduling toggled; --enable-torch-compile
+compiles labkit's decode forward (up to --torch-compile-max-bs).
 """
 from __future__ import annotations
 
@@ -79,27 +83,6 @@ def make_workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> tuple[list
 def free_cuda() -> None:
     gc.collect()
     torch.cuda.empty_cache()
-
-
-# ---- ceilings ---------------------------------------------------------------------------------
-def measure_ceilings(device: torch.device) -> tuple[float, float]:
-    """(HBM bandwidth in bytes/s from a 2 GiB device-to-device copy, counting read + write;
-    bf16 matrix rate in FLOP/s from an 8192^3 product of random matrices)."""
-    from triton.testing import do_bench
-
-    n = 1 << 30  # bf16 elements: 2 GiB
-    src = torch.randn(n, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
-    bandwidth = 2 * src.numel() * src.element_size() / (ms * 1e-3)
-    del src, dst
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    ms = do_bench(lambda: a @ b, warmup=50, rep=200, return_mode="median")
-    rate = 2 * 8192 ** 3 / (ms * 1e-3)
-    del a, b
-    free_cuda()
-    return bandwidth, rate
 
 
 # ---- labkit -----------------------------------------------------------------------------------
@@ -184,8 +167,8 @@ def weight_bytes(engine: Engine) -> int:
 def warm_up(engine: Engine, args, vocab: int) -> None:
     """Everything the first steps of a run set up (Triton variants, torch.compile graphs, the CUDA
     allocator's blocks) happens before the timing: the same number of requests and prompt lengths
-    (other ids), short outputs. A lighter warm-up left the first engine of a process about 10% slower
-    than a second one on the same workload."""
+    (other ids), short outputs. With a lighter warm-up the first engine of a process ran slower than
+    a second on the same workload (on an H200, 14,590 tok/s run first, 17,535 run second)."""
     prompts, _ = make_workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed + 99)
     params = [{"temperature": 0, "max_new_tokens": 1 + i % 32, "ignore_eos": True} for i in range(len(prompts))]
     engine.generate(input_ids=prompts, sampling_params=params)
@@ -412,7 +395,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("offline_gpu needs a CUDA device (python -m labkit.bench.offline runs on CPU)")
     device = torch.device("cuda")
 
-    bandwidth, rate = measure_ceilings(device)
+    from labkit.kernels.bench import measure_ceilings
+
+    bandwidth, rate = measure_ceilings(device, copy_elements=1 << 30)  # 2 GiB
+    free_cuda()
     print(f"HBM copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     vocab = json.loads((CONFIGS_DIR / f"{args.model}.json").read_text())["vocab_size"]
     prompts, out_lens = make_workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed)

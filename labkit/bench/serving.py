@@ -31,6 +31,7 @@ from labkit.bench.backends import HttpTarget, RequestOutput, arrival_times, firs
 from labkit.config import EngineConfig
 from labkit.scheduler.schedule_policy import POLICIES
 
+
 @dataclass
 class Stats:
     mean: float

@@ -59,15 +59,17 @@ class RotaryEmbedding(nn.Module):
         self._inv_freq_cpu = compute_inv_freq(head_dim, params, max_position)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
-    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+    def _angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [T] -> rotation angles [T, D/2] in float32."""
+        device = positions.device
         if device not in self._inv_freq:
             self._inv_freq[device] = self._inv_freq_cpu.to(device)
-        return self._inv_freq[device]
+        return positions.float()[:, None] * self._inv_freq[device][None, :]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [T, 1, D] for `positions`; a model computes them once per forward, not
         per layer. The sin's first half is negated so that rotate_half becomes a flip (see apply_rope)."""
-        freqs = positions.float()[:, None] * self._inv_freq_on(positions.device)[None, :]
+        freqs = self._angles(positions)
         cos, sin = freqs.cos(), freqs.sin()
         return (torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype),
                 torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype))
@@ -77,7 +79,7 @@ class RotaryEmbedding(nn.Module):
         float32 [T, D] table (cos | sin halves) that the fused Triton kernel reads at rows 0..T-1."""
         if not use_triton_kernels(positions):
             return RopeInputs(cos_sin=self.cos_sin(positions, dtype))
-        freqs = positions.float()[:, None] * self._inv_freq_on(positions.device)[None, :]
+        freqs = self._angles(positions)
         table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
         return RopeInputs(table=table, rows=torch.arange(table.shape[0], device=table.device))
 

@@ -51,6 +51,15 @@ def load_tokenizer(model_dir: str | Path | None) -> Any | None:
     return AutoTokenizer.from_pretrained(path)
 
 
+def model_dir_and_tokenizer(model_path: str | None, load_format: str) -> tuple[Path | None, Any | None]:
+    """The model's HF directory (the embedded GGUF is converted once) and its tokenizer; (None, None)
+    for dummy weights, which have neither."""
+    if load_format == "dummy":
+        return None, None
+    model_dir = resolve_model_dir(model_path)
+    return model_dir, load_tokenizer(model_dir)
+
+
 def iter_safetensors(model_dir: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 

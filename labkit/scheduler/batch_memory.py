@@ -19,8 +19,11 @@ def ensure_free(tree_cache, allocator, needed: int) -> bool:
     return allocator.available_size() >= needed
 
 
-def _last_locs(host_table: torch.Tensor, reqs: list[Req], prefix_lens: list[int]) -> list[int]:
-    return [int(host_table[r.req_pool_idx, p - 1]) if p > 0 else -1 for r, p in zip(reqs, prefix_lens)]
+def _last_locs(host_table: torch.Tensor, rows: torch.Tensor, prefix_lens: list[int]) -> list[int]:
+    """Slot of each request's position prefix_len - 1 (-1 where the prefix is empty), in one gather:
+    this runs for every decode step."""
+    pos = torch.tensor(prefix_lens, dtype=torch.int64) - 1
+    return host_table[rows, pos.clamp(min=0)].masked_fill_(pos < 0, -1).tolist()
 
 
 def alloc_for_extend(batch: ScheduleBatch, req_to_token_pool, allocator, tree_cache, page_size: int) -> bool:
@@ -30,7 +33,6 @@ def alloc_for_extend(batch: ScheduleBatch, req_to_token_pool, allocator, tree_ca
     slots = req_to_token_pool.alloc(len(fresh))
     if slots is None:
         return False
-    table = req_to_token_pool.host
     for req, slot in zip(fresh, slots):
         req.req_pool_idx = slot
     prefix_lens = [len(r.prefix_indices) for r in batch.reqs]
@@ -38,7 +40,8 @@ def alloc_for_extend(batch: ScheduleBatch, req_to_token_pool, allocator, tree_ca
     needed = sum(new_slots_needed(p, s, page_size) for p, s in zip(prefix_lens, seq_lens))
     out = None
     if ensure_free(tree_cache, allocator, needed):
-        out = allocator.alloc_extend(prefix_lens, seq_lens, _last_locs(table, batch.reqs, prefix_lens))
+        rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64)
+        out = allocator.alloc_extend(prefix_lens, seq_lens, _last_locs(req_to_token_pool.host, rows, prefix_lens))
     if out is None:
         for req in fresh:
             req_to_token_pool.free(req.req_pool_idx)
@@ -76,11 +79,11 @@ def alloc_for_decode(batch: ScheduleBatch, req_to_token_pool, allocator, tree_ca
     if not ensure_free(tree_cache, allocator, decode_slots_needed(reqs, page_size)):
         return False
     prefix_lens = [r.kv_len for r in reqs]
-    out = allocator.alloc_decode([p + 1 for p in prefix_lens], _last_locs(req_to_token_pool.host, reqs, prefix_lens))
+    rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+    out = allocator.alloc_decode([p + 1 for p in prefix_lens], _last_locs(req_to_token_pool.host, rows, prefix_lens))
     if out is None:
         return False
-    idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-    req_to_token_pool.write(idx, torch.tensor(prefix_lens, dtype=torch.int64), out)
+    req_to_token_pool.write(rows, torch.tensor(prefix_lens, dtype=torch.int64), out)
     batch.input_ids = [r.output_ids[-1] for r in reqs]
     batch.positions = prefix_lens
     batch.prefix_lens, batch.extend_lens, batch.out_cache_loc = prefix_lens, [1] * len(reqs), out

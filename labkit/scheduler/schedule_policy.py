@@ -101,19 +101,18 @@ class DFSWeightPolicy(SchedulePolicy):
     def sort(self, waiting: list[Req], tree_cache) -> None:
         by_node: dict[int, list[Req]] = defaultdict(list)
         weight: dict[int, int] = defaultdict(int)
-        nodes = {}
         for req in waiting:
             node = req.last_node
             by_node[id(node)].append(req)
             while node is not None:  # every ancestor's weight counts this request
-                nodes[id(node)] = node
                 weight[id(node)] += 1
                 node = node.parent
         root = tree_cache.root
-        if id(root) not in nodes:  # no tree (chunk cache): keep arrival order
+        if not weight.get(id(root)):  # no tree (chunk cache): keep arrival order
             return
-        # Post-order, as SGLang: a node's subtrees (heaviest first) before the requests that stop at
-        # the node itself, so requests matching nothing (at the root) do not jump ahead of a group.
+        # Post-order, as SGLang: a node's subtrees (heaviest first; of equal weights, the child added
+        # to the tree last) before the requests that stop at the node itself, so requests matching
+        # nothing (at the root) do not jump ahead of a group.
         order: list[Req] = []
         stack: list[tuple[object, bool]] = [(root, False)]
         while stack:

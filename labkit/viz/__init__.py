@@ -30,7 +30,6 @@ from labkit.viz.workloads import (Request, bench_policies, chat_requests, latenc
                                   shared_prefix_workload, summarize, token_times)
 
 
-
 def _register_png_formatter() -> None:
     """Make a returned Figure display as a PNG in IPython even without `%matplotlib inline` (the
     figures here are not pyplot figures, so pyplot's inline hook never sees them)."""

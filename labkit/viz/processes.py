@@ -41,6 +41,7 @@ def draw_stations_by_process(source: Any, rids: list[str] | None = None, *, wind
     if not events:
         raise ValueError("no station events to draw")
     order = list(dict.fromkeys(e.rid for e in events))  # by arrival
+    row_of = {rid: i for i, rid in enumerate(order)}
     t0 = events[0].start
     lo, hi = window if window is not None else (0.0, (max(e.end for e in events) - t0) * 1e3 * 1.01)
     min_w = MIN_WIDTH * (hi - lo)
@@ -55,7 +56,7 @@ def draw_stations_by_process(source: Any, rids: list[str] | None = None, *, wind
         stations = [s for s in Station if PROCESS_OF_STATION[s] == process]
         for (rid, station), xranges in spans.items():
             if station in stations:
-                y = order.index(rid)
+                y = row_of[rid]
                 ax.broken_barh(xranges, (y - 0.35, 0.7), facecolors=style.STATION_COLORS[station],
                                gid=f"{rid}|{int(station)}")
         ax.set_yticks(range(len(order)), [(labels or {}).get(r, r) for r in order], fontsize=8)

@@ -66,12 +66,11 @@ def _layout(nodes: list[NodeState], root_id: int) -> tuple[dict[int, _Box], int]
     return boxes, max(next_row, 1)
 
 
-def _changes(events: list[TreeEvent]) -> tuple[set[int], set[int], list[NodeState]]:
+def _changes(events: list[TreeEvent]) -> tuple[set[int], set[int], list[TreeEvent]]:
+    """(inserted node ids, split node ids, evict events) of a step."""
     inserted = {e.node_id for e in events if e.kind == "insert"}
     split = {e.node_id for e in events if e.kind == "split"}
-    ghosts = [NodeState(e.node_id, e.parent_id, e.num_tokens, 0, 0, tuple(e.tokens[:DEFAULT_HEAD_TOKENS]))
-              for e in events if e.kind == "evict"]
-    return inserted, split, ghosts
+    return inserted, split, [e for e in events if e.kind == "evict"]
 
 
 def resolve_tree(source: Any, step: int | None = None) -> tuple[TreeSnapshot, list[TreeEvent], Any, str]:
@@ -107,16 +106,13 @@ def draw_radix_tree(source: Any, step: int | None = None, *, tokenizer: Any = No
     each evicted ghost 'evicted-<id>'."""
     snap, events, tok, default_title = resolve_tree(source, step)
     tokenizer = tokenizer if tokenizer is not None else tok
-    inserted, split, ghosts = _changes(events)
-    present = {n.id for n in snap.nodes}
+    inserted, split, evicted = _changes(events)
     root = snap.nodes[0]
-    ghost_nodes = []
-    ghost_ids = {g.id for g in ghosts}
-    for g in ghosts:
-        if g.id in present:
-            continue  # evicted and re-inserted with the same id cannot happen; be safe
-        parent = g.parent if (g.parent in present or g.parent in ghost_ids) else root.id
-        ghost_nodes.append(NodeState(g.id, parent, g.num_tokens, 0, 0, g.head))
+    present = {n.id for n in snap.nodes}
+    known = present | {e.node_id for e in evicted}  # an evicted node hangs below its parent, or the root
+    ghost_nodes = [NodeState(e.node_id, e.parent_id if e.parent_id in known else root.id, e.num_tokens, 0, 0,
+                             tuple(e.tokens[:DEFAULT_HEAD_TOKENS]))
+                   for e in evicted if e.node_id not in present]  # ids are never reused: a safety net
     boxes, rows = _layout([*snap.nodes, *ghost_nodes], root.id)
     for g in ghost_nodes:
         boxes[g.id].kind = "ghost"
@@ -183,7 +179,7 @@ def draw_radix_tree(source: Any, step: int | None = None, *, tokenizer: Any = No
 
     n_nodes = len(snap.nodes) - 1
     stats = (f"{n_nodes} nodes · {snap.evictable} evictable + {snap.protected} protected tokens"
-             + (f" · this step: {len(inserted)} inserted, {len(split)} split, {len(ghosts)} evicted"
+             + (f" · this step: {len(inserted)} inserted, {len(split)} split, {len(evicted)} evicted"
                 if events or step is not None else ""))
     fig.text(side / W, 1 - 0.22 / H, title or default_title, fontsize=12, weight="bold", va="top")
     note = "box height = leaves below the node; text = the node's first tokens"

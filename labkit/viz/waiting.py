@@ -73,7 +73,8 @@ def draw_waiting(source: Any, *, ax=None, title: str | None = None, highlight_st
     waiting after that step; a thin line marks the steps where it was in the batch."""
     run = Run.of(source)
     df = waiting_frame(run)
-    rids = [r for r in run.rids if r in set(df["rid"])] or run.rids
+    waiting_rids = set(df["rid"])
+    rids = [r for r in run.rids if r in waiting_rids] or run.rids
     row_of = {rid: i for i, rid in enumerate(rids)}
     if ax is None:
         fig = style.new_figure(11, max(2.0, 0.27 * len(rids) + 1.1))
@@ -93,7 +94,8 @@ def draw_waiting(source: Any, *, ax=None, title: str | None = None, highlight_st
     ax.set_xlabel("scheduler step")
     ax.grid(axis="x", color="#eeeeee", lw=0.6)
     ax.set_axisbelow(True)
-    cats = [c for c in style.BLOCK_COLORS if c in set(df["category"])]
+    present = set(df["category"])
+    cats = [c for c in style.BLOCK_COLORS if c in present]
     handles = [Patch(color=style.BLOCK_COLORS[c], label=c) for c in cats]
     handles += [ax.plot([], [], color=style.PHASE_COLORS["prefill"], lw=2, label="in the batch: prefill")[0],
                 ax.plot([], [], color=style.PHASE_COLORS["decode"], lw=2, label="in the batch: decode")[0]]

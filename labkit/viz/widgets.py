@@ -90,7 +90,7 @@ def _fmt_tokens(tokenizer, ids, limit: int = 24) -> str:
     ids = list(ids)
     shown = [t for t in ids if isinstance(t, int)][:limit]
     pieces = " | ".join(token_text(tokenizer, [t], compact=False) for t in shown) if tokenizer is not None else ""
-    more = "" if len(shown) == len([t for t in ids if isinstance(t, int)]) and len(shown) == len(ids) else " …"
+    more = " …" if len(shown) < len(ids) else ""  # cut here, or by the recorder (its length marker)
     out = f"{shown}{more}"
     return out + (f"\n→ {pieces}{more}" if pieces else "")
 

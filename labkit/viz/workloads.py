@@ -183,10 +183,11 @@ def run_requests(engine, requests: list[Request], *, static_batch_size: int | No
 def request_metrics(run_or_results: Run | dict[str, dict[str, Any]]) -> pd.DataFrame:
     """One row per finished request: prompt/completion/cached tokens, TTFT and end-to-end latency (s)."""
     results = run_or_results.results if isinstance(run_or_results, Run) else run_or_results
+    metas = {rid: r["meta_info"] for rid, r in results.items()}
     rows = [{"rid": rid, "prompt_tokens": m["prompt_tokens"], "completion_tokens": m["completion_tokens"],
              "cached_tokens": m["cached_tokens"], "ttft_s": m["ttft"], "e2e_s": m["e2e_latency"],
              "retractions": m["retractions"]}
-            for rid, m in ((rid, r["meta_info"]) for rid, r in results.items())]
+            for rid, m in metas.items()]
     return pd.DataFrame(rows)
 
 

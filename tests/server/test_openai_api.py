@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import httpx
@@ -137,7 +138,7 @@ def test_64_concurrent_streams_match_sequential_greedy(server, client):
             assert resp.status_code == 200
             async for line in resp.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    text += __import__("json").loads(line[6:])["choices"][0]["text"]
+                    text += json.loads(line[6:])["choices"][0]["text"]
         return text
 
     async def all_at_once() -> list[str]:

@@ -2,6 +2,7 @@
 serving, and every request's KV memory and request slot come back."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -12,7 +13,7 @@ from server_process import MODEL, wait_idle
 from labkit.server.process import start_server
 
 KEY = "sk-test-key"
-LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}  # ~10 s of decoding on CPU
+LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}  # 18 s of decoding (CPU, OMP_NUM_THREADS=1)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,7 @@ def _stream_in_background(server, results: list, ids: list) -> threading.Thread:
                                 "stream": True, **LONG}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
-                    chunk = __import__("json").loads(line[6:])
+                    chunk = json.loads(line[6:])
                     ids.append(chunk["id"])
                     if chunk["choices"] and chunk["choices"][0]["finish_reason"]:
                         results.append(chunk["choices"][0]["finish_reason"])
@@ -141,7 +142,7 @@ def test_abort_request_and_flush_cache_while_running(server):
     assert r.status_code == 200 and len(r.json()["aborted"]) == 1
     thread.join(timeout=30)
     assert results == ["abort"]
-    wait_idle(server, )
+    wait_idle(server)
     assert server.post("/flush_cache").status_code == 200
     assert server.info()["pool"]["evictable"] == 0
 
@@ -158,5 +159,5 @@ def test_too_many_queued_requests_get_503_with_retry_after(server):
     for t in threads:
         t.join(timeout=60)
     assert results == ["abort"] * 3
-    wait_idle(server, )
+    wait_idle(server)
     assert chat(server).status_code == 200
