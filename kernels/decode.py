@@ -6,7 +6,9 @@ tile, so Q K^T and P V are matrix products (tensor cores on a GPU) and each K/V 
 the whole group. A program streams its range in BLOCK_N-token blocks (slots looked up through
 req_to_token, so any page size works) with an online softmax, and writes its partial output
 (normalized) and log-sum-exp. Stage 2, one program per (request, KV head), merges the splits:
-out = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max lse), as a running (online) merge."""
+out = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max lse), as a running (online) merge. When
+the bound on splits is 1 (large batches fill the GPU without splitting), stage 1 writes the output
+itself and stage 2 is not launched."""
 from __future__ import annotations
 
 import math
@@ -35,12 +37,13 @@ def stage1_config(head_dim: int) -> dict[str, int]:
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_kv_splits, Mid_o, Mid_lse,
+    Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_kv_splits, Mid_o, Mid_lse, O,
     qk_scale,  # sm_scale * log2(e): scores are kept in base 2
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,  # every request is one split: write the output, no workspace
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -74,10 +77,14 @@ def _decode_stage1_kernel(
     nonempty = end > start
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     part = tl.where(nonempty, acc / l_safe[:, None], 0.0)
-    lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
-    tl.store(Mid_o + b * stride_mob + offs_h[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
-             part, mask=mask_h[:, None] & mask_d[None, :])
-    tl.store(Mid_lse + b * stride_mlb + offs_h * stride_mlh + split, lse, mask=mask_h)
+    if ONE_SPLIT:
+        tl.store(O + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :], part.to(O.dtype.element_ty),
+                 mask=mask_h[:, None] & mask_d[None, :])
+    else:
+        lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(Mid_o + b * stride_mob + offs_h[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
+                 part, mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(Mid_lse + b * stride_mlb + offs_h * stride_mlh + split, lse, mask=mask_h)
 
 
 @triton.jit
@@ -181,15 +188,20 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     block_h = head_block(group)
     head_blocks = triton.cdiv(group, block_h)
     block_d = triton.next_power_of_2(head_dim)
+    one_split = max_kv_splits == 1
     _decode_stage1_kernel[(batch, num_kv_heads * head_blocks, max_kv_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse,
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, out,
         sm_scale * LOG2E,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
         v_buffer.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **stage1_config(head_dim),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ONE_SPLIT=one_split,
+        **stage1_config(head_dim),
     )
+    if one_split:
+        return out
     _decode_stage2_kernel[(batch, num_kv_heads * head_blocks)](
         mid_o, mid_lse, num_kv_splits, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

@@ -66,9 +66,13 @@ def cos_sin_cache(inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-def reference_rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                               cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style rope (rotate halves) on q [T, H, D] and k [T, H_kv, D], computed in float32."""
+def reference_rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+                               norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+                               eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rope (rotate halves) on q [T, H, D] and k [T, H_kv, D], computed in float32; with
+    norm_weights (q's, k's), each head is reference_rmsnorm-ed first."""
+    if norm_weights is not None:
+        q, k = reference_rmsnorm(q, norm_weights[0], eps), reference_rmsnorm(k, norm_weights[1], eps)
     half = cos_sin.shape[1] // 2
     cos, sin = cos_sin[positions, :half][:, None, :], cos_sin[positions, half:][:, None, :]
 

@@ -20,7 +20,7 @@ class EngineConfig:
     max_running_requests: int = 256
     # Scheduling
     schedule_policy: str = "fcfs"
-    chunked_prefill_size: int = 2048  # <= 0 disables chunking
+    chunked_prefill_size: int | None = None  # None: 2048 on CPU, 8192 on CUDA; <= 0 disables chunking
     max_prefill_tokens: int = 16384
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False

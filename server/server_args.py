@@ -26,7 +26,7 @@ ENGINE_HELP = {
     "kv_memory_gb": "KV pool memory in GiB when --max-total-tokens is not given",
     "max_running_requests": "most requests decoding at once",
     "schedule_policy": "fcfs, lpm, dfs-weight, lof or random",
-    "chunked_prefill_size": "prefill tokens per chunk (<= 0: no chunking)",
+    "chunked_prefill_size": "prompt tokens per prefill step (default 2048 on CPU, 8192 on CUDA; <= 0: no chunking)",
     "max_prefill_tokens": "prefill token budget of one step",
     "enable_mixed_chunk": "run a prefill chunk and the decodes in one batch",
     "disable_radix_cache": "no prefix sharing (ChunkCache)",

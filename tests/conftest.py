@@ -1,8 +1,16 @@
 """Shared fixtures: the embedded model (converted once per machine) and its transformers reference."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without CUDA every Triton kernel runs in the interpreter. Triton reads the switch when a kernel is
+# defined, and a kernel module first imported by one test file (through transformers, say) before
+# another file set it would mix compiled and interpreted kernels; set it before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -8,20 +8,14 @@ the padded static-buffer path run eagerly (use_cuda_graph=False) through the tri
 hooks, which on CPU runs in Triton's interpreter."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
-if not torch.cuda.is_available():  # before anything imports Triton (as tests/kernels/conftest.py)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
-
-from labkit import Engine  # noqa: E402
-from labkit.attention import TorchNativeAttnBackend  # noqa: E402
-from labkit.model_executor.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes  # noqa: E402
-from labkit.model_loader.loader import CONFIGS_DIR  # noqa: E402
+from labkit import Engine
+from labkit.attention import TorchNativeAttnBackend
+from labkit.model_executor.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
+from labkit.model_loader.loader import CONFIGS_DIR
 
 CUDA = torch.cuda.is_available()
 NO_CUDA = pytest.mark.skipif(not CUDA, reason="no CUDA")

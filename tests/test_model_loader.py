@@ -63,7 +63,7 @@ def test_dummy_config_as_json_file_and_directory(tmp_path, paged_kv_harness):
             fb = h.batch(ForwardMode.EXTEND, [(reqs[0], 5), (reqs[1], 3)], torch.arange(8))
             fb.attn_backend.init_forward_metadata(fb)
             logits = model(fb.input_ids, fb.positions, fb)
-        assert logits.shape == (2, config.vocab_size) and logits.dtype == torch.float32
+        assert logits.shape == (2, config.vocab_size) and logits.dtype == torch.bfloat16  # the model's
         assert torch.isfinite(logits).all()
 
 

@@ -93,6 +93,22 @@ def test_greedy_is_argmax_and_input_untouched():
     assert torch.equal(logits, before)
 
 
+def test_half_precision_logits_sample_as_their_float32_upcast():
+    """bf16 logits (the model's dtype on GPU): greedy rows take the argmax without an upcast, ties
+    included; penalties, sampling and logprobs see exactly the float32 values."""
+    logits = rand_logits(4).to(torch.bfloat16)
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # an exact tie: the first index wins either way
+    greedy = make_info([SamplingParams(temperature=0)] * 4)
+    out = Sampler()(logits, greedy)
+    assert torch.equal(out.next_token_ids, logits.float().argmax(-1)) and out.next_token_ids[0] == 7
+    reqs = [FakeReq(SamplingParams(temperature=0, return_logprob=True, presence_penalty=1.0), [], [7]),
+            FakeReq(SamplingParams(temperature=0.8, top_k=5, return_logprob=True))] * 2
+    half = Sampler(seed=3)(logits, make_info([], reqs))
+    full = Sampler(seed=3)(logits.float(), make_info([], reqs))
+    assert torch.equal(half.next_token_ids, full.next_token_ids)
+    assert half.logprobs.dtype == torch.float32 and torch.equal(half.logprobs, full.logprobs)
+
+
 def test_greedy_rows_in_mixed_batch():
     logits = rand_logits(4)
     params = [SamplingParams(temperature=0), SamplingParams(), SamplingParams(top_k=1)]

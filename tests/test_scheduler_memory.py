@@ -65,3 +65,11 @@ def test_retraction_happens_and_requests_resume():
     expected = reference.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 30,
                                                                        "ignore_eos": True})
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
+
+
+def test_chunked_prefill_size_defaults_by_device_and_zero_disables():
+    """Unset, the chunk is 2048 tokens on CPU (8192 on CUDA, where a prefill step's launch cost is
+    fixed); <= 0 turns chunking off."""
+    assert Engine(model_path="tiny-llama", load_format="dummy").scheduler.chunked_prefill_size == 2048
+    assert Engine(model_path="tiny-llama", load_format="dummy",
+                  chunked_prefill_size=0).scheduler.chunked_prefill_size is None

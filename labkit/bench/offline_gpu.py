@@ -20,7 +20,9 @@ weights of a data/configs shape (default qwen3-0.6b) in bfloat16. In the same ru
   graphs, graphs + torch.compile, eager).
 
 --compare-overlap runs labkit a second time with overlap scheduling toggled; --enable-torch-compile
-compiles labkit's decode forward (up to --torch-compile-max-bs).
+compiles labkit's decode forward (up to --torch-compile-max-bs); --kernel-profile runs labkit's
+workload once more under torch.profiler and prints device time per kernel group (matmul, decode and
+extend attention, norms, ...) over the whole run.
 """
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ def free_cuda() -> None:
 def instrument(engine: Engine, profile: Profile):
     """Wrap the scheduler step and the model runner's forward / sample calls with host timers and
     CUDA events (read after the run, so the steps are not slowed by extra syncs). Returns the
-    function that reads the events into `profile` once the run is over."""
+    function that, once the run is over, removes the wrappers and reads the events into `profile`."""
     runner, scheduler = engine.model_runner, engine.scheduler
     forward, sample, step = runner.forward, runner.sample, scheduler.step
     current: dict = {}
@@ -135,6 +137,7 @@ def instrument(engine: Engine, profile: Profile):
         return out
 
     def resolve() -> None:
+        runner.forward, runner.sample, scheduler.step = forward, sample, step
         torch.cuda.synchronize()
         for stats, e0, e1, e2 in pending:
             stats.forward_gpu += e0.elapsed_time(e1) * 1e-3
@@ -149,7 +152,8 @@ def build_engine(model: str, args, **overrides) -> Engine:
     options = dict(model_path=model, load_format="dummy", dtype="bfloat16", page_size=args.page_size,
                    kv_memory_gb=args.kv_memory_gb, max_running_requests=args.max_running_requests,
                    cuda_graph_max_bs=args.cuda_graph_max_bs, enable_torch_compile=args.enable_torch_compile,
-                   torch_compile_max_bs=args.torch_compile_max_bs)
+                   torch_compile_max_bs=args.torch_compile_max_bs,
+                   chunked_prefill_size=args.chunked_prefill_size)
     return Engine(**{**options, **overrides})
 
 
@@ -214,6 +218,25 @@ def batch1_ms_per_token(model: str, args, variant: str, prompt: list[int], n: in
     del engine
     free_cuda()
     return (meta["timestamps"]["finished"] - meta["timestamps"]["first_token"]) / (n - 1) * 1e3, nbytes
+
+
+def kernel_profile(engine: Engine, prompts: list[list[int]], out_lens: list[int]) -> None:
+    """The timed workload again (cache flushed) under torch.profiler: where the device time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from labkit.bench.profile_step import kernel_times, report
+
+    engine.flush_cache()
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in out_lens]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        engine.generate(input_ids=prompts, sampling_params=params)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3
+    groups, kernels = kernel_times(prof)
+    report("labkit's run under torch.profiler, device time by kernel group", groups, kernels, wall, 1, 12,
+           per="run")
 
 
 # ---- transformers -----------------------------------------------------------------------------
@@ -374,6 +397,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-memory-gb", type=float, default=40.0)
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    ap.add_argument("--chunked-prefill-size", type=int, default=None, help="default: the engine's")
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="run labkit's workload once more under torch.profiler: device time per kernel group")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers peers")
     ap.add_argument("--disable-overlap-schedule", action="store_true", help="labkit's run without overlap")
     ap.add_argument("--enable-torch-compile", action="store_true", help="labkit's runs with torch.compile")
@@ -406,6 +432,8 @@ def main(argv: list[str] | None = None) -> dict:
     lab, profile, engine = bench_labkit(args, prompts, out_lens, disable_overlap_schedule=args.disable_overlap_schedule)
     print(f"labkit: {lab.output_tokens} tokens in {lab.seconds:.2f} s = {lab.throughput:.0f} tok/s", flush=True)
     roof = roofline(engine, profile, bandwidth, rate)
+    if args.kernel_profile:
+        kernel_profile(engine, prompts, out_lens)
     del engine
     free_cuda()
     runs = [lab]

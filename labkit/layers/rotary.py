@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from labkit.layers.fused import use_triton_kernels
+
+if TYPE_CHECKING:
+    from labkit.layers.rmsnorm import RMSNorm
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -97,12 +100,22 @@ class RopeInputs:
     table: torch.Tensor | None = None
     rows: torch.Tensor | None = None
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(self, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None,
+              k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rope on q [T, H, D] and k [T, H_kv, D]. With q_norm and k_norm (Qwen3), each head is
+        RMS-normalized first; on CUDA in the same kernel, which reads the strided q/k views as they are."""
         if self.table is None:
+            if q_norm is not None:
+                q, k = q_norm(q), k_norm(k)
             return apply_rope(q, k, *self.cos_sin)
         from labkit.kernels.rotary import rotary_embedding
 
-        return rotary_embedding(self.rows, q, k, self.table)
+        if q_norm is None:
+            return rotary_embedding(self.rows, q, k, self.table)
+        if q_norm.eps != k_norm.eps:
+            raise ValueError("the fused q/k norm takes one eps for both")
+        return rotary_embedding(self.rows, q, k, self.table, norm_weights=(q_norm.weight, k_norm.weight),
+                                eps=q_norm.eps)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -143,7 +143,7 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Float32 logits [n, vocab] of a DECODE batch of n <= max_bs requests (a copy)."""
+        """Logits [n, vocab] (model dtype) of a DECODE batch of n <= max_bs requests (a copy)."""
         fb, n = forward_batch, forward_batch.batch_size
         bs = self.padded_size(n)
         self.input_ids[:n].copy_(fb.input_ids)

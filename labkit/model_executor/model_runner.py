@@ -184,7 +184,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Next-token logits [batch_size, vocab] (float32) for the last token of every request.
+        """Next-token logits [batch_size, vocab] (model dtype) for the last token of every request.
         Decode batches up to the largest captured size replay a CUDA graph; the rest run eagerly."""
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)

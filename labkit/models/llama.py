@@ -41,9 +41,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, k)
+        q, k = rope.apply(q, k, self.q_norm, self.k_norm)  # q/k norm (Qwen3) fused into rope on CUDA
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
 
@@ -109,8 +107,8 @@ _STACKED = {
 
 @register_model("LlamaForCausalLM")
 class LlamaForCausalLM(nn.Module):
-    """Causal LM over the paged KV cache: `forward` returns float32 logits [bs, vocab] of each
-    request's last new token. Built as `cls(hf_config, dtype)`; call under torch.inference_mode()."""
+    """Causal LM over the paged KV cache: `forward` returns the logits [bs, vocab] (model dtype) of
+    each request's last new token. Built as `cls(hf_config, dtype)`; call under torch.inference_mode()."""
 
     qk_norm = False
 

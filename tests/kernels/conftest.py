@@ -1,19 +1,11 @@
-"""Kernel tests: fixtures and, without CUDA, Triton's interpreter.
-
-TRITON_INTERPRET must be set before any Triton kernel is defined (i.e. before labkit.kernels is
-imported); this conftest is imported before the test modules of this folder, so it sets it here.
-(labkit.kernels also turns the interpreter on by itself when there is no CUDA, so the order in which
-a whole-suite run imports modules cannot break this.) On CUDA every test also runs in bfloat16."""
+"""Kernel tests: fixtures. Without CUDA the kernels run in Triton's interpreter (tests/conftest.py
+turns it on before any test module loads). On CUDA every test also runs in bfloat16."""
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]

@@ -46,6 +46,15 @@ def test_decode_long_context_with_default_split_heuristic(page_size, dtype, devi
     check_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("shape", [(8, 2, 128, 16), (4, 4, 64, 1)],
+                         ids=lambda s: f"h{s[0]}-kv{s[1]}-d{s[2]}-page{s[3]}")
+def test_decode_single_split_bound_writes_output_in_stage_one(shape, dtype, device, gen, paged_kv, check_close):
+    """max_kv_splits=1 (what large batches get): stage 1 writes the output, no merge step runs."""
+    seq_lens = [1, 37, 130] if not CUDA else [1, 37, 130, 4097, 16] + [i * 37 % 300 + 1 for i in range(251)]
+    out, ref = _run(shape, seq_lens, [1] * len(seq_lens), 1, dtype, device, gen, paged_kv)
+    check_close(out, ref, dtype)
+
+
 def test_decode_tolerates_empty_splits(dtype, device, gen, paged_kv, check_close):
     """5 tokens in 4 splits of ceil(5/4) = 2: the last split is empty and must drop out of the merge."""
     out, ref = _run((4, 2, 64, 1), [5, 2], [4, 2], 4, dtype, device, gen, paged_kv)

@@ -49,3 +49,38 @@ def test_rope_follows_labkit_apply_rope(device, gen, check_close):
     q_out, k_out = rotary_embedding(positions, q, k, cos_sin_cache(rope._inv_freq_cpu.to(device), 4096))
     check_close(q_out, q_ref, torch.float32, scale=10)  # cos/sin of large angles: a few float32 ulps
     check_close(k_out, k_ref, torch.float32, scale=10)
+
+
+@pytest.mark.parametrize("heads", [(16, 8), (14, 2)], ids=lambda h: f"h{h[0]}-kv{h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_with_qk_norm_matches_reference(heads, head_dim, dtype, device, gen, check_close):
+    """Qwen3's per-head q/k RMSNorm fused in front of rope, on strided views of a fused projection."""
+    rope = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": 1000000.0}, 4096)
+    cache = cos_sin_cache(rope._inv_freq_cpu.to(device), 4096)
+    positions, q, k = _inputs(*heads, head_dim, dtype, device, gen, fused=True)
+    q, k = q * 3 + 1, k * 0.5  # off unit scale and mean, so a missing norm shows
+    weights = tuple(torch.rand(head_dim, generator=gen, device=device).add_(0.5).to(dtype) for _ in range(2))
+    q_ref, k_ref = reference_rotary_embedding(positions, q, k, cache, norm_weights=weights, eps=1e-6)
+    q_out, k_out = rotary_embedding(positions, q, k, cache, norm_weights=weights, eps=1e-6)
+    check_close(q_out, q_ref, dtype)
+    check_close(k_out, k_ref, dtype)
+
+
+def test_rope_inputs_fused_norm_matches_torch_path(device, gen, check_close):
+    """The layer's two paths agree: RopeInputs' kernel table with the norms fused, and its torch ops."""
+    from labkit.layers import RMSNorm
+    from labkit.layers.rotary import RopeInputs
+
+    rope = RotaryEmbedding(64, {"rope_type": "default", "rope_theta": 10000.0}, 4096)
+    positions, q, k = _inputs(8, 2, 64, torch.float32, device, gen, fused=True)
+    q_norm, k_norm = RMSNorm(64, 1e-6).to(device), RMSNorm(64, 1e-6).to(device)
+    with torch.no_grad():
+        q_norm.weight.uniform_(0.5, 1.5, generator=gen)
+        k_norm.weight.uniform_(0.5, 1.5, generator=gen)
+        freqs = rope._angles(positions)
+        fused = RopeInputs(table=torch.cat((freqs.cos(), freqs.sin()), -1),
+                           rows=torch.arange(len(positions), device=device))
+        q_f, k_f = fused.apply(q, k, q_norm, k_norm)
+        q_t, k_t = RopeInputs(cos_sin=rope.cos_sin(positions, torch.float32)).apply(q, k, q_norm, k_norm)
+    check_close(q_f, q_t, torch.float32, scale=10)
+    check_close(k_f, k_t, torch.float32, scale=10)
