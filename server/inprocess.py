@@ -35,7 +35,7 @@ from labkit.scheduler.scheduler import Scheduler
 from labkit.server.detokenizer_manager import DetokenizerLoop, DetokenizerManager
 from labkit.server.http_server import create_app
 from labkit.server.ipc import PortArgs
-from labkit.server.launch import model_name_of
+from labkit.server.launch import make_tokenizer_manager, model_name_of
 from labkit.server.scheduler_process import SchedulerLoop
 from labkit.server.server_args import ServerArgs
 from labkit.server.tokenizer_manager import TokenizerManager
@@ -58,17 +58,19 @@ class InProcessServer:
         self.model_name = model_name_of(self.args)
         self.created = int(time.time())
         self.ports = PortArgs.create()
+        self.scheduler_loop: SchedulerLoop | None = None
         try:
             self.scheduler_loop = SchedulerLoop.create(self.args.engine, self.ports)
             # One process: the detokenizer shares the tokenizer the scheduler loaded.
             self.detokenizer_loop = DetokenizerLoop(
                 DetokenizerManager(self.scheduler.tokenizer, trace=self.args.engine.enable_trace), self.ports)
+            self.tm: TokenizerManager = make_tokenizer_manager(self.args, self.scheduler.tokenizer, self.ports,
+                                                               self.scheduler_loop.info())
         except BaseException:
+            if self.scheduler_loop is not None:
+                self.scheduler_loop.close()
             self.ports.cleanup()
             raise
-        tracer = Tracer() if self.args.engine.enable_trace else None
-        self.tm: TokenizerManager = TokenizerManager(self.scheduler.tokenizer, self.ports, self.scheduler_loop.info(),
-                                                     None, tracer)
         self.ready = True
         self.app = create_app(self)
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://labkit",

@@ -24,6 +24,7 @@ from labkit.model_loader.loader import model_dir_and_tokenizer
 from labkit.server.detokenizer_manager import run_detokenizer_process
 from labkit.server.http_server import create_app
 from labkit.server.ipc import PortArgs
+from labkit.server.process import READY_LINE
 from labkit.server.scheduler_process import run_scheduler_process
 from labkit.server.server_args import ServerArgs
 from labkit.server.tokenizer_manager import TokenizerManager
@@ -108,11 +109,7 @@ class ServerRuntime:
     async def run(self) -> None:
         try:
             infos = await asyncio.to_thread(self.launcher.wait_ready)
-            args = self.args
-            cap = None if args.max_queued_requests is None else \
-                args.engine.max_running_requests + args.max_queued_requests
-            self.tm = TokenizerManager(self.tokenizer, self.launcher.ports, infos["scheduler"], cap,
-                                       Tracer() if args.engine.enable_trace else None)
+            self.tm = make_tokenizer_manager(self.args, self.tokenizer, self.launcher.ports, infos["scheduler"])
             loop_task = asyncio.create_task(self.tm.handle_loop())
             while not await self.tm.generate_one_token(timeout=60.0):  # warm-up, proves the path
                 if self.launcher.dead_child():
@@ -123,7 +120,7 @@ class ServerRuntime:
         self.ready = self.launcher.dead_child() is None
         if self.ready:
             info = infos["scheduler"]
-            print(f"labkit server ready at http://{self.args.host}:{self.args.port} (model {self.model_name}, "
+            print(f"{READY_LINE} at http://{self.args.host}:{self.args.port} (model {self.model_name}, "
                   f"{info['device']}, {info['dtype']}, KV pool {info['limits']['max_total_tokens']} tokens)",
                   flush=True)
         await self._watch(loop_task)
@@ -149,6 +146,13 @@ class ServerRuntime:
         if self.args.trace_file and self.tm is not None and self.tm.tracer is not None:
             path = self.tm.tracer.save_perfetto(Path(self.args.trace_file))
             logger.info("trace written to %s (open it in https://ui.perfetto.dev)", path)
+
+
+def make_tokenizer_manager(args: ServerArgs, tokenizer, ports: PortArgs, scheduler_info: dict) -> TokenizerManager:
+    """The HTTP side's TokenizerManager for these args: the queue cap (--max-queued-requests beyond
+    --max-running-requests; none by default) and a Tracer when tracing."""
+    cap = None if args.max_queued_requests is None else args.engine.max_running_requests + args.max_queued_requests
+    return TokenizerManager(tokenizer, ports, scheduler_info, cap, Tracer() if args.engine.enable_trace else None)
 
 
 def model_name_of(args: ServerArgs) -> str:

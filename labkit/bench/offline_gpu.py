@@ -222,19 +222,13 @@ def batch1_ms_per_token(model: str, args, variant: str, prompt: list[int], n: in
 
 def kernel_profile(engine: Engine, prompts: list[list[int]], out_lens: list[int]) -> None:
     """The timed workload again (cache flushed) under torch.profiler: where the device time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from labkit.bench.profile_step import kernel_times, report
+    from labkit.bench.profile_step import profiled, report
 
     engine.flush_cache()
-    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in out_lens]
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        engine.generate(input_ids=prompts, sampling_params=params)
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - start) * 1e3
-    groups, kernels = kernel_times(prof)
+    for prompt, n in zip(prompts, out_lens):
+        engine.add_request(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": n,
+                                                              "ignore_eos": True})
+    groups, kernels, wall, _ = profiled(engine, engine.scheduler.has_work)
     report("labkit's run under torch.profiler, device time by kernel group", groups, kernels, wall, 1, 12,
            per="run")
 

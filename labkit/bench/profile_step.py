@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> None:
                                              or engine.scheduler.chunked_req)
     chunk = engine.scheduler.chunked_prefill_size
     report(f"prompt chunks of <= {chunk} tokens", groups, kernels, wall, chunks, args.top)
-    left = iter(range(args.steps))
-    groups, kernels, wall, steps = profiled(engine, lambda: next(left, None) is not None)
+    stop = engine.scheduler.step_id + args.steps
+    groups, kernels, wall, steps = profiled(engine, lambda: engine.scheduler.step_id < stop)
     mode = "eager" if args.no_graphs else "CUDA graph"
     report(f"decode, batch {args.batch}, context ~{args.context}, {mode}", groups, kernels, wall, steps, args.top)
 

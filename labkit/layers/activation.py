@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.layers.fused import use_triton_kernels
+from labkit.layers.fused import triton_kernels, use_triton_kernels
 
 
 class SiluAndMul(nn.Module):
@@ -13,8 +13,6 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton_kernels(x):
-            from labkit.kernels.activation import silu_and_mul
-
-            return silu_and_mul(x)
+            return triton_kernels().silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.layers.fused import use_triton_kernels
+from labkit.layers.fused import triton_kernels, use_triton_kernels
 
 
 class RMSNorm(nn.Module):
@@ -22,11 +22,10 @@ class RMSNorm(nn.Module):
         """Without `residual`: return norm(x). With it: x += residual first and return
         (norm(x + residual), x + residual), the new residual stream."""
         if use_triton_kernels(x):
-            from labkit.kernels.norm import fused_add_rmsnorm, rmsnorm
-
+            kernels = triton_kernels()
             if residual is None:
-                return rmsnorm(x, self.weight, self.eps)
-            return fused_add_rmsnorm(x, residual, self.weight, self.eps)
+                return kernels.rmsnorm(x, self.weight, self.eps)
+            return kernels.fused_add_rmsnorm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from labkit.layers.fused import use_triton_kernels
+from labkit.layers.fused import triton_kernels, use_triton_kernels
 
 if TYPE_CHECKING:
     from labkit.layers.rmsnorm import RMSNorm
@@ -82,6 +82,10 @@ class RotaryEmbedding(nn.Module):
         float32 [T, D] table (cos | sin halves) that the fused Triton kernel reads at rows 0..T-1."""
         if not use_triton_kernels(positions):
             return RopeInputs(cos_sin=self.cos_sin(positions, dtype))
+        return self.kernel_inputs(positions)
+
+    def kernel_inputs(self, positions: torch.Tensor) -> RopeInputs:
+        """The fused kernel's inputs (prepare's CUDA branch; any device, for tests on the interpreter)."""
         freqs = self._angles(positions)
         table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
         return RopeInputs(table=table, rows=torch.arange(table.shape[0], device=table.device))
@@ -108,8 +112,7 @@ class RopeInputs:
             if q_norm is not None:
                 q, k = q_norm(q), k_norm(k)
             return apply_rope(q, k, *self.cos_sin)
-        from labkit.kernels.rotary import rotary_embedding
-
+        rotary_embedding = triton_kernels().rotary_embedding
         if q_norm is None:
             return rotary_embedding(self.rows, q, k, self.table)
         if q_norm.eps != k_norm.eps:

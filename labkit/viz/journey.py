@@ -33,8 +33,13 @@ def request_events(run: Run, rid: str) -> list[StationEvent]:
     return events
 
 
+def is_token_event(e: StationEvent) -> bool:
+    """A station-9 record that carried an output token (when that token was ready)."""
+    return e.station == Station.DETOKENIZE and e.detail.get("token") is not None
+
+
 def _token_events(events: list[StationEvent]) -> list[StationEvent]:
-    return [e for e in events if e.station == Station.DETOKENIZE and e.detail.get("token") is not None]
+    return [e for e in events if is_token_event(e)]
 
 
 def journey_latency(source: Any, rid: str) -> dict[str, Any]:

@@ -249,12 +249,10 @@ def bench_policies(engine, workloads: dict[str, list[Request]], policies: list[s
 def token_times(run: Run) -> pd.DataFrame:
     """When each output token was ready (station 9, detokenize), per request: rid, index, t (s from
     the run's first record) and gap_ms since the request's previous token (NaN for the first)."""
-    from labkit.trace.events import Station
+    from labkit.viz.journey import is_token_event
 
-    rows = []
-    for e in run.tracer.events:
-        if e.station == Station.DETOKENIZE and e.detail.get("token") is not None:
-            rows.append({"rid": e.rid, "t": e.end - run.t0})
+    t0 = run.t0
+    rows = [{"rid": e.rid, "t": e.end - t0} for e in run.tracer.events if is_token_event(e)]
     df = pd.DataFrame(rows, columns=["rid", "t"]).sort_values(["rid", "t"], kind="stable")
     df["index"] = df.groupby("rid").cumcount()
     df["gap_ms"] = df.groupby("rid")["t"].diff() * 1e3

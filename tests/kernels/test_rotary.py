@@ -77,10 +77,7 @@ def test_rope_inputs_fused_norm_matches_torch_path(device, gen, check_close):
     with torch.no_grad():
         q_norm.weight.uniform_(0.5, 1.5, generator=gen)
         k_norm.weight.uniform_(0.5, 1.5, generator=gen)
-        freqs = rope._angles(positions)
-        fused = RopeInputs(table=torch.cat((freqs.cos(), freqs.sin()), -1),
-                           rows=torch.arange(len(positions), device=device))
-        q_f, k_f = fused.apply(q, k, q_norm, k_norm)
+        q_f, k_f = rope.kernel_inputs(positions).apply(q, k, q_norm, k_norm)
         q_t, k_t = RopeInputs(cos_sin=rope.cos_sin(positions, torch.float32)).apply(q, k, q_norm, k_norm)
     check_close(q_f, q_t, torch.float32, scale=10)
     check_close(k_f, k_t, torch.float32, scale=10)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import time
 
+from labkit.model_loader.embedded import EMBEDDED_MODEL_NAME as MODEL  # noqa: F401 (the tests import it)
 from labkit.server.process import ServerProcess
-
-MODEL = "SmolLM2-135M-Instruct"
 
 
 def wait_idle(server: ServerProcess, timeout: float = 20.0) -> dict:

@@ -13,7 +13,7 @@ from server_process import MODEL, wait_idle
 from labkit.server.process import start_server
 
 KEY = "sk-test-key"
-LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}  # 18 s of decoding (CPU, OMP_NUM_THREADS=1)
+LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}  # seconds of decoding on CPU: still running when aborted
 
 
 @pytest.fixture(scope="module")

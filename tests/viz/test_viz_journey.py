@@ -17,10 +17,10 @@ def test_latency_counts_every_token_and_agrees_with_the_engine(tiny_run):
     lat = journey_latency(tiny_run, rid)
     assert lat["tokens"] == meta["completion_tokens"]
     assert len(lat["token_ms"]) == lat["tokens"] - 1 and min(lat["token_ms"]) >= 0
-    # From tokenization to the first token's detokenization: never less than the engine's TTFT
-    # (arrival to sampled), and the tokens after it fit before the end.
+    # From tokenization to the first token's detokenization, and to the last record: never less than
+    # the engine's TTFT (arrival to sampled) and end-to-end latency (arrival to finished).
     assert lat["ttft_ms"] >= meta["ttft"] * 1e3
-    assert lat["ttft_ms"] + sum(lat["token_ms"]) <= lat["e2e_ms"] + 1e-6
+    assert lat["e2e_ms"] >= meta["e2e_latency"] * 1e3
 
 
 def test_journey_figure_has_a_row_per_station_and_a_mark_per_token(tiny_run):
