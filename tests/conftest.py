@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-# Without CUDA every Triton kernel runs in the interpreter. Triton reads the switch when a kernel is
-# defined, and a kernel module first imported by one test file (through transformers, say) before
-# another file set it would mix compiled and interpreted kernels; set it before any test module loads.
+# Without CUDA every Triton kernel runs in the interpreter. Triton reads the switch when it is first
+# imported, and a test module may import it (through transformers) before importing labkit, which
+# sets it otherwise (labkit/__init__.py); so set it before any test module loads.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
