@@ -1,5 +1,6 @@
 """Microbenchmarks of the per-step memory paths: radix match/insert on a large tree, and the page
 allocator at batch sizes 1 / 64 / 256. Run: pytest benchmarks -m microbench --benchmark-enable"""
+
 from __future__ import annotations
 
 import itertools
@@ -27,7 +28,7 @@ def _build_tree(page: int) -> tuple[RadixCache, list[list[int]]]:
             key = system + [rng.randrange(32000) for _ in range(SUFFIX_LEN)]
             value = alloc.alloc_extend([0], [len(key)], [-1])
             assert value is not None
-            alloc.free(value[:cache.insert(key, value)])
+            alloc.free(value[: cache.insert(key, value)])
             seqs.append(key)
     return cache, seqs
 

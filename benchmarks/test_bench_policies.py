@@ -13,6 +13,7 @@ The notebook notebooks/05_scheduling_policies.ipynb runs the same comparison (sa
 and workloads) and draws it. LABKIT_BENCH_POLICY_MODEL=<config or model dir> swaps the model
 (with LABKIT_BENCH_POLICY_LOAD=auto for real weights).
 """
+
 from __future__ import annotations
 
 import os

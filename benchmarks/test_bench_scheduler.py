@@ -3,6 +3,7 @@ building, KV allocation, ForwardBatch tensors, sampling bookkeeping and result p
 
     .venv/bin/python -m pytest benchmarks -m microbench --benchmark-enable
 """
+
 from __future__ import annotations
 
 import pytest
@@ -14,9 +15,14 @@ pytestmark = pytest.mark.microbench
 
 
 def engine_without_model(batch_size: int) -> Engine:
-    engine = Engine(model_path="tiny-llama", load_format="dummy", max_running_requests=batch_size,
-                    max_total_tokens=batch_size * 4096, chunked_prefill_size=-1,
-                    max_prefill_tokens=batch_size * 64)
+    engine = Engine(
+        model_path="tiny-llama",
+        load_format="dummy",
+        max_running_requests=batch_size,
+        max_total_tokens=batch_size * 4096,
+        chunked_prefill_size=-1,
+        max_prefill_tokens=batch_size * 64,
+    )
     runner = engine.model_runner
     runner.forward = lambda fb: torch.zeros(fb.batch_size, runner.vocab_size)
     return engine
@@ -24,8 +30,10 @@ def engine_without_model(batch_size: int) -> Engine:
 
 def add_requests(engine: Engine, n: int) -> None:
     for i in range(n):
-        engine.add_request(input_ids=[3 + (i + j) % 250 for j in range(32)],
-                           sampling_params={"temperature": 0, "max_new_tokens": 1 << 20, "ignore_eos": True})
+        engine.add_request(
+            input_ids=[3 + (i + j) % 250 for j in range(32)],
+            sampling_params={"temperature": 0, "max_new_tokens": 1 << 20, "ignore_eos": True},
+        )
 
 
 @pytest.mark.parametrize("batch_size", [1, 64, 256])

@@ -7,6 +7,7 @@ Without a CUDA device Triton can only run kernels through its interpreter (numpy
 but exact enough for tests and teaching). Triton reads that switch (TRITON_INTERPRET=1) when it
 defines a kernel, its own `tl.sum` & co. included, which it does on first import; `import labkit`
 already imports Triton (through torch.compiler), so the switch is set in labkit/__init__.py."""
+
 from labkit.kernels.activation import silu_and_mul
 from labkit.kernels.decode import decode_attention, decode_kv_splits
 from labkit.kernels.extend import ExtendPlan, extend_attention
@@ -15,6 +16,13 @@ from labkit.kernels.norm import fused_add_rmsnorm, rmsnorm
 from labkit.kernels.rotary import rotary_embedding
 
 __all__ = [
-    "ExtendPlan", "decode_attention", "decode_kv_splits", "extend_attention", "fused_add_rmsnorm",
-    "rmsnorm", "rotary_embedding", "silu_and_mul", "store_kv",
+    "ExtendPlan",
+    "decode_attention",
+    "decode_kv_splits",
+    "extend_attention",
+    "fused_add_rmsnorm",
+    "rmsnorm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "store_kv",
 ]

@@ -1,4 +1,5 @@
 """silu_and_mul: the gated MLP activation."""
+
 from __future__ import annotations
 
 import torch
@@ -34,5 +35,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return out
     block = min(BLOCK, triton.next_power_of_2(d))
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-        x2, o2, x2.stride(0), o2.stride(0), D=d, BLOCK=block, num_warps=4)
+        x2, o2, x2.stride(0), o2.stride(0), D=d, BLOCK=block, num_warps=4
+    )
     return out

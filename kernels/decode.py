@@ -9,6 +9,7 @@ req_to_token, so any page size works) with an online softmax, and writes its par
 out = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max lse), as a running (online) merge. When
 the bound on splits is 1 (large batches fill the GPU without splitting), stage 1 writes the output
 itself and stage 2 is not launched."""
+
 from __future__ import annotations
 
 import math
@@ -37,12 +38,38 @@ def stage1_config(head_dim: int) -> dict[str, int]:
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_kv_splits, Mid_o, Mid_lse, O,
+    Q,
+    K_buf,
+    V_buf,
+    Req_to_token,
+    Req_pool_indices,
+    Seq_lens,
+    Num_kv_splits,
+    Mid_o,
+    Mid_lse,
+    O,
     qk_scale,  # sm_scale * log2(e): scores are kept in base 2
-    stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-    GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_qb,
+    stride_qh,
+    stride_kbs,
+    stride_kbh,
+    stride_vbs,
+    stride_vbh,
+    stride_r2t,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     ONE_SPLIT: tl.constexpr,  # every request is one split: write the output, no workspace
 ):
     b = tl.program_id(0)
@@ -63,36 +90,74 @@ def _decode_stage1_kernel(
     end = tl.minimum(start + split_len, seq_len)
     req_row = Req_to_token + tl.load(Req_pool_indices + b).to(tl.int64) * stride_r2t
 
-    q = tl.load(Q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        m_i, l_i, acc = paged_block_step(q, m_i, l_i, acc, K_buf, V_buf, req_row, offs_n, offs_n < end, kv_head,
-                                         offs_d, mask_d, stride_kbs, stride_kbh, stride_vbs, stride_vbh, qk_scale,
-                                         DOT_PRECISION)
+        m_i, l_i, acc = paged_block_step(
+            q,
+            m_i,
+            l_i,
+            acc,
+            K_buf,
+            V_buf,
+            req_row,
+            offs_n,
+            offs_n < end,
+            kv_head,
+            offs_d,
+            mask_d,
+            stride_kbs,
+            stride_kbh,
+            stride_vbs,
+            stride_vbh,
+            qk_scale,
+            DOT_PRECISION,
+        )
 
     nonempty = end > start
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     part = tl.where(nonempty, acc / l_safe[:, None], 0.0)
     if ONE_SPLIT:
-        tl.store(O + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :], part.to(O.dtype.element_ty),
-                 mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(
+            O + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+            part.to(O.dtype.element_ty),
+            mask=mask_h[:, None] & mask_d[None, :],
+        )
     else:
         lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(Mid_o + b * stride_mob + offs_h[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
-                 part, mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(
+            Mid_o + b * stride_mob + offs_h[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
+            part,
+            mask=mask_h[:, None] & mask_d[None, :],
+        )
         tl.store(Mid_lse + b * stride_mlb + offs_h * stride_mlh + split, lse, mask=mask_h)
 
 
 @triton.jit
 def _decode_stage2_kernel(
-    Mid_o, Mid_lse, Num_kv_splits, O,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-    GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    Mid_o,
+    Mid_lse,
+    Num_kv_splits,
+    O,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Merges the splits of one (request, KV head's query heads): an online softmax over partials."""
     b = tl.program_id(0)
@@ -106,8 +171,11 @@ def _decode_stage2_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for split in range(0, tl.load(Num_kv_splits + b)):
         lse = tl.load(Mid_lse + b * stride_mlb + offs_h * stride_mlh + split, mask=mask_h, other=float("-inf"))
-        part = tl.load(Mid_o + b * stride_mob + offs_h[:, None] * stride_moh + split * stride_mos
-                       + offs_d[None, :], mask=mask, other=0.0)
+        part = tl.load(
+            Mid_o + b * stride_mob + offs_h[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
+            mask=mask,
+            other=0.0,
+        )
         m_new = tl.maximum(m_i, lse)  # empty splits have lse -inf (and a zero partial)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -116,8 +184,7 @@ def _decode_stage2_kernel(
         acc = acc * alpha[:, None] + w[:, None] * part
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(O + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=mask)
+    tl.store(O + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty), mask=mask)
 
 
 def head_block(group: int) -> int:
@@ -132,10 +199,15 @@ def num_sms(device: torch.device) -> int:
     return 8
 
 
-def decode_kv_splits(seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int, device_sms: int,
-                     max_kv_splits: int = DEFAULT_MAX_KV_SPLITS,
-                     min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
-                     programs_per_sm: int | None = None) -> tuple[torch.Tensor, int]:
+def decode_kv_splits(
+    seq_lens: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    device_sms: int,
+    max_kv_splits: int = DEFAULT_MAX_KV_SPLITS,
+    min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
+    programs_per_sm: int | None = None,
+) -> tuple[torch.Tensor, int]:
     """(per-request split counts [B] int32, their upper bound): the counts are computed on
     seq_lens' device (no host sync), the bound on the host from the batch size alone.
 
@@ -151,11 +223,20 @@ def decode_kv_splits(seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int, 
     return by_len.clamp(1, bound).to(torch.int32), bound
 
 
-def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                     sm_scale: float, out: torch.Tensor | None = None,
-                     num_kv_splits: torch.Tensor | None = None, max_kv_splits: int = DEFAULT_MAX_KV_SPLITS,
-                     mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor | None = None,
+    num_kv_splits: torch.Tensor | None = None,
+    max_kv_splits: int = DEFAULT_MAX_KV_SPLITS,
+    mid_o: torch.Tensor | None = None,
+    mid_lse: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of one query token per request over its KV in the pool; returns out [B, H, D].
 
     q: [B, H, D] (float32/float16/bfloat16; strides free on the first two dims, last dim contiguous).
@@ -176,8 +257,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     if batch == 0:
         return out
     if num_kv_splits is None:
-        num_kv_splits, max_kv_splits = decode_kv_splits(seq_lens, num_heads, num_kv_heads, num_sms(q.device),
-                                                        max_kv_splits)
+        num_kv_splits, max_kv_splits = decode_kv_splits(
+            seq_lens, num_heads, num_kv_heads, num_sms(q.device), max_kv_splits
+        )
     if mid_o is None:
         mid_o = torch.empty(batch, num_heads, max_kv_splits, head_dim, dtype=torch.float32, device=q.device)
     if mid_lse is None:
@@ -190,23 +272,59 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     block_d = triton.next_power_of_2(head_dim)
     one_split = max_kv_splits == 1
     _decode_stage1_kernel[(batch, num_kv_heads * head_blocks, max_kv_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, out,
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        num_kv_splits,
+        mid_o,
+        mid_lse,
+        out,
         sm_scale * LOG2E,
-        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
-        v_buffer.stride(1), req_to_token.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ONE_SPLIT=one_split,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        HEAD_BLOCKS=head_blocks,
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        ONE_SPLIT=one_split,
         **stage1_config(head_dim),
     )
     if one_split:
         return out
     _decode_stage2_kernel[(batch, num_kv_heads * head_blocks)](
-        mid_o, mid_lse, num_kv_splits, out,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+        mid_o,
+        mid_lse,
+        num_kv_splits,
+        out,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        HEAD_BLOCKS=head_blocks,
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
         num_warps=4,
     )
     return out

@@ -6,6 +6,7 @@ launches no idle programs). A program runs flash attention in two phases with on
 the request's cached prefix, read through req_to_token (every prefix token is visible to every new
 token), then the new tokens' own K/V from the k, v arguments: unmasked blocks before the tile, then
 the tile's diagonal blocks with the causal mask."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,15 +17,42 @@ import triton.language as tl
 
 from labkit.kernels.flash import LOG2E, online_softmax_step, paged_block_step
 
+
 @triton.jit
 def _extend_kernel(
-    Q, K, V, O, K_buf, V_buf, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_start,
-    Tile_req, Tile_start,
+    Q,
+    K,
+    V,
+    O,
+    K_buf,
+    V_buf,
+    Req_to_token,
+    Req_pool_indices,
+    Prefix_lens,
+    Extend_lens,
+    Extend_start,
+    Tile_req,
+    Tile_start,
     qk_scale,  # sm_scale * log2(e)
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_kbs,
+    stride_kbh,
+    stride_vbs,
+    stride_vbh,
+    stride_r2t,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -40,8 +68,11 @@ def _extend_kernel(
     mask_m = offs_m < extend_len
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(Q + (row0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        Q + (row0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -49,19 +80,42 @@ def _extend_kernel(
     # Phase 1: the cached prefix, from the pool.
     for n0 in range(0, prefix_len, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        m_i, l_i, acc = paged_block_step(q, m_i, l_i, acc, K_buf, V_buf, req_row, offs_n, offs_n < prefix_len,
-                                         kv_head, offs_d, mask_d, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
-                                         qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = paged_block_step(
+            q,
+            m_i,
+            l_i,
+            acc,
+            K_buf,
+            V_buf,
+            req_row,
+            offs_n,
+            offs_n < prefix_len,
+            kv_head,
+            offs_d,
+            mask_d,
+            stride_kbs,
+            stride_kbh,
+            stride_vbs,
+            stride_vbh,
+            qk_scale,
+            DOT_PRECISION,
+        )
 
     # Phase 2: the new tokens before this tile, visible to all its rows (BLOCK_N divides BLOCK_M, so
     # these blocks end at m0 < extend_len: no mask).
     for n0 in range(0, m0, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = tl.load(K + (row0 + offs_n)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                    mask=mask_d[None, :], other=0.0)
+        k = tl.load(
+            K + (row0 + offs_n)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+            mask=mask_d[None, :],
+            other=0.0,
+        )
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        v = tl.load(V + (row0 + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                    mask=mask_d[None, :], other=0.0)
+        v = tl.load(
+            V + (row0 + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+            mask=mask_d[None, :],
+            other=0.0,
+        )
         m_i, l_i, acc = online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
 
     # Phase 3: the tile's own diagonal blocks, causal.
@@ -69,17 +123,22 @@ def _extend_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < extend_len
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K + (row0 + offs_n)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        k = tl.load(
+            K + (row0 + offs_n)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0
+        )
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None]), s, float("-inf"))
-        v = tl.load(V + (row0 + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        v = tl.load(
+            V + (row0 + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0
+        )
         m_i, l_i, acc = online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(O + (row0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(
+        O + (row0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
 
 
 def extend_block_sizes(head_dim: int) -> tuple[int, int, int, int]:
@@ -118,11 +177,21 @@ class ExtendPlan:
         return cls(tile_req, torch.zeros_like(tile_req), extend_block_sizes(head_dim)[0])
 
 
-def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor,
-                     v_buffer: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                     prefix_lens: torch.Tensor, extend_lens: torch.Tensor, extend_start_loc: torch.Tensor,
-                     sm_scale: float, out: torch.Tensor | None = None,
-                     plan: ExtendPlan | None = None) -> torch.Tensor:
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor | None = None,
+    plan: ExtendPlan | None = None,
+) -> torch.Tensor:
     """Causal attention of the new tokens of each request; returns out [T, H, D].
 
     q [T, H, D], k, v [T, H_kv, D]: the new tokens, request b's at rows extend_start_loc[b] +
@@ -148,15 +217,40 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer
     block_m, block_n, num_warps, num_stages = extend_block_sizes(head_dim)
     assert plan.block_m == block_m and block_m % block_n == 0
     _extend_kernel[(num_tiles, num_heads)](
-        q, k, v, out, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-        extend_start_loc, plan.tile_req, plan.tile_start,
+        q,
+        k,
+        v,
+        out,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        extend_start_loc,
+        plan.tile_req,
+        plan.tile_start,
         sm_scale * LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1),
-        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        req_to_token.stride(0),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

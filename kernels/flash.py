@@ -1,6 +1,7 @@
 """Pieces shared by the attention kernels (decode.py, extend.py): one block of scores against K/V
 read from the paged pool, and the online-softmax update. Scores are kept in base 2 (the callers fold
 log2(e) into qk_scale), so exp2 replaces exp."""
+
 import triton
 import triton.language as tl
 
@@ -20,16 +21,32 @@ def online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def paged_block_step(q, m_i, l_i, acc, K_buf, V_buf, req_row, offs_n, mask_n, kv_head, offs_d, mask_d,
-                     stride_kbs, stride_kbh, stride_vbs, stride_vbh, qk_scale, DOT_PRECISION: tl.constexpr):
+def paged_block_step(
+    q,
+    m_i,
+    l_i,
+    acc,
+    K_buf,
+    V_buf,
+    req_row,
+    offs_n,
+    mask_n,
+    kv_head,
+    offs_d,
+    mask_d,
+    stride_kbs,
+    stride_kbh,
+    stride_vbs,
+    stride_vbh,
+    qk_scale,
+    DOT_PRECISION: tl.constexpr,
+):
     """Attend q [M, D] to the tokens offs_n (mask_n: which exist) of one request, whose KV slots are
     looked up in its req_to_token row, and fold the block into the online softmax state."""
     slots = tl.load(req_row + offs_n, mask=mask_n, other=0).to(tl.int64)
     kv_mask = mask_n[:, None] & mask_d[None, :]
-    k = tl.load(K_buf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
-                mask=kv_mask, other=0.0)
+    k = tl.load(K_buf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
     s = tl.where(mask_n[None, :], s, float("-inf"))
-    v = tl.load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                mask=kv_mask, other=0.0)
+    v = tl.load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :], mask=kv_mask, other=0.0)
     return online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)

@@ -1,4 +1,5 @@
 """store_kv: write the K and V of this forward's new tokens into the paged pool."""
+
 from __future__ import annotations
 
 import torch
@@ -8,9 +9,19 @@ import triton.language as tl
 
 @triton.jit
 def _store_kv_kernel(
-    K, V, K_buf, V_buf, Loc, num_tokens,
-    stride_kt, stride_vt, stride_kbs, stride_vbs,
-    ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    K,
+    V,
+    K_buf,
+    V_buf,
+    Loc,
+    num_tokens,
+    stride_kt,
+    stride_vt,
+    stride_kbs,
+    stride_vbs,
+    ROW: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     """Copies a [BLOCK_T tokens, BLOCK_R elements] tile of the flattened [T, H_kv * D] rows."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -30,8 +41,9 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
-def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor) -> None:
+def store_kv(
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
     """k_buffer[loc[t]] = k[t] and v_buffer[loc[t]] = v[t] for every new token t, cast to the buffer dtype.
 
     k_buffer, v_buffer: [num_slots, H_kv, D] pool buffers of one layer (each slot's H_kv * D values
@@ -49,6 +61,18 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
     block_t = max(1, min(triton.next_power_of_2(num_tokens), 4096 // block_r))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(row, block_r))
     _store_kv_kernel[grid](
-        k, v, k_buffer, v_buffer, loc, num_tokens, k.stride(0), v.stride(0),
-        k_buffer.stride(0), v_buffer.stride(0), ROW=row, BLOCK_T=block_t, BLOCK_R=block_r, num_warps=4,
+        k,
+        v,
+        k_buffer,
+        v_buffer,
+        loc,
+        num_tokens,
+        k.stride(0),
+        v.stride(0),
+        k_buffer.stride(0),
+        v_buffer.stride(0),
+        ROW=row,
+        BLOCK_T=block_t,
+        BLOCK_R=block_r,
+        num_warps=4,
     )

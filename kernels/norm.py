@@ -1,4 +1,5 @@
 """RMSNorm, plain and fused with the residual add that precedes it in every decoder layer."""
+
 from __future__ import annotations
 
 import torch
@@ -8,8 +9,19 @@ import triton.language as tl
 
 @triton.jit
 def _rmsnorm_kernel(
-    X, R, W, Out, Res_out, stride_x, stride_r, stride_o, stride_ro, eps,
-    N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    X,
+    R,
+    W,
+    Out,
+    Res_out,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    eps,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
@@ -33,8 +45,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            out: torch.Tensor, res_out: torch.Tensor | None) -> None:
+def _launch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    res_out: torch.Tensor | None,
+) -> None:
     n = x.shape[-1]
     assert weight.shape == (n,) and weight.is_contiguous()
     rows = x.numel() // n
@@ -45,14 +63,24 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     ro2 = res_out.view(-1, n) if res_out is not None else o2
     block = triton.next_power_of_2(n)
     _rmsnorm_kernel[(rows,)](
-        x2, r2, weight, o2, ro2, x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0), eps,
-        N=n, BLOCK_N=block, HAS_RESIDUAL=residual is not None,
+        x2,
+        r2,
+        weight,
+        o2,
+        ro2,
+        x2.stride(0),
+        r2.stride(0),
+        o2.stride(0),
+        ro2.stride(0),
+        eps,
+        N=n,
+        BLOCK_N=block,
+        HAS_RESIDUAL=residual is not None,
         num_warps=min(max(block // 256, 1), 16),
     )
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None) -> torch.Tensor:
     """x / sqrt(mean(x^2, -1) + eps) * weight over the last dim of x [..., N]; weight [N].
 
     Computed in float32; the normalized value is rounded to x's dtype before the weight multiplies it
@@ -64,8 +92,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     return out
 
 
-def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                      inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, inplace: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual) in one pass; x, residual [..., N] of one dtype.
 
     The sum is rounded to x's dtype (as torch's x + residual) and both the norm and the returned

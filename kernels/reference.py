@@ -1,5 +1,6 @@
 """Plain-PyTorch references for every kernel in labkit.kernels: same arguments, same results (up to
 rounding). Slow and simple on purpose; the tests compare each Triton kernel with its reference here."""
+
 from __future__ import annotations
 
 import torch
@@ -8,30 +9,45 @@ import torch.nn.functional as F
 from labkit.attention.reference import dense_attention
 
 
-def reference_store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
-                       k: torch.Tensor, v: torch.Tensor) -> None:
+def reference_store_kv(
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
     """k_buffer[loc] = k, v_buffer[loc] = v (cast to the buffer dtype)."""
     k_buffer[loc] = k.to(k_buffer.dtype)
     v_buffer[loc] = v.to(v_buffer.dtype)
 
 
-def reference_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                               seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+def reference_decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
     """q [B, H, D]; request b attends to the KV slots req_to_token[req_pool_indices[b], :seq_lens[b]].
     Returns [B, H, D] in q's dtype."""
     out = torch.empty_like(q)
     for b, (r, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         slots = req_to_token[r, :n]
-        out[b] = dense_attention(q[b:b + 1], k_buffer[slots], v_buffer[slots], n - 1, sm_scale)[0].to(q.dtype)
+        out[b] = dense_attention(q[b : b + 1], k_buffer[slots], v_buffer[slots], n - 1, sm_scale)[0].to(q.dtype)
     return out
 
 
-def reference_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor,
-                               v_buffer: torch.Tensor, req_to_token: torch.Tensor,
-                               req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
-                               extend_lens: torch.Tensor, extend_start_loc: torch.Tensor,
-                               sm_scale: float) -> torch.Tensor:
+def reference_extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
     """q [T, H, D], k, v [T, H_kv, D]: the new tokens of each request, rows extend_start_loc[b] +
     [0, extend_lens[b]). They attend to the prefix (pool slots req_to_token[r, :prefix_lens[b]]) and
     causally to the request's new tokens. Returns [T, H, D] in q's dtype."""
@@ -39,9 +55,9 @@ def reference_extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     for b, r in enumerate(req_pool_indices.tolist()):
         p, n, s = int(prefix_lens[b]), int(extend_lens[b]), int(extend_start_loc[b])
         slots = req_to_token[r, :p]
-        ks = torch.cat([k_buffer[slots].to(k.dtype), k[s:s + n]])
-        vs = torch.cat([v_buffer[slots].to(v.dtype), v[s:s + n]])
-        out[s:s + n] = dense_attention(q[s:s + n], ks, vs, p, sm_scale).to(q.dtype)
+        ks = torch.cat([k_buffer[slots].to(k.dtype), k[s : s + n]])
+        vs = torch.cat([v_buffer[slots].to(v.dtype), v[s : s + n]])
+        out[s : s + n] = dense_attention(q[s : s + n], ks, vs, p, sm_scale).to(q.dtype)
     return out
 
 
@@ -52,8 +68,9 @@ def reference_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
     return (normed.float() * weight.float()).to(x.dtype)
 
 
-def reference_fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual), the sum rounded to x's dtype first."""
     s = x + residual
     return reference_rmsnorm(s, weight, eps), s
@@ -66,9 +83,14 @@ def cos_sin_cache(inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-def reference_rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
-                               norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
-                               eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin: torch.Tensor,
+    norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rope (rotate halves) on q [T, H, D] and k [T, H_kv, D], computed in float32; with
     norm_weights (q's, k's), each head is reference_rmsnorm-ed first."""
     if norm_weights is not None:

@@ -1,4 +1,5 @@
 """labkit: a modular LLM serving engine to learn, research and run serving."""
+
 import os
 
 import torch

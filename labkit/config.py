@@ -1,4 +1,5 @@
 """EngineConfig: every knob of the engine (the server's command line maps onto it one to one)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

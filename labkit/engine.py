@@ -1,5 +1,6 @@
 """Engine: labkit in one process. `generate(...)` for batch use; `add_request` + `step()` to walk a
 run one scheduler iteration at a time, with the live scheduler, pools and radix cache inspectable."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -92,15 +93,21 @@ class Engine:
         return self.scheduler.pool_usage()
 
     # ---- requests ----------------------------------------------------------------------------
-    def add_request(self, prompt: str | None = None, *, input_ids: list[int] | None = None,
-                    messages: list[dict[str, Any]] | None = None,
-                    sampling_params: dict[str, Any] | SamplingParams | None = None,
-                    rid: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        sampling_params: dict[str, Any] | SamplingParams | None = None,
+        rid: str | None = None,
+    ) -> str:
         """Tokenize and enqueue one request; returns its rid. Bad input raises ValueError."""
         if isinstance(sampling_params, SamplingParams):
             sampling_params = dataclasses.asdict(sampling_params)
-        req = GenerateReqInput(text=prompt, input_ids=input_ids, messages=messages,
-                               sampling_params=dict(sampling_params or {}), rid=rid)
+        req = GenerateReqInput(
+            text=prompt, input_ids=input_ids, messages=messages, sampling_params=dict(sampling_params or {}), rid=rid
+        )
         start = time.perf_counter()
         tokenized = self._tokenize(req)
         if tokenized.rid in self._states:
@@ -110,20 +117,29 @@ class Engine:
         params = scheduled.sampling_params
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, stop=params.stop or [],
-                                           skip_special_tokens=params.skip_special_tokens,
-                                           spaces_between_special_tokens=params.spaces_between_special_tokens)
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                stop=params.stop or [],
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
         self._states[tokenized.rid] = _ReqState(detok, times={"tokenize": start})
         if self.tracer is not None:
-            self.tracer.station(tokenized.rid, Station.TOKENIZE, start, end,
-                                text=tokenized.input_text, input_ids=tokenized.input_ids)
+            self.tracer.station(
+                tokenized.rid, Station.TOKENIZE, start, end, text=tokenized.input_text, input_ids=tokenized.input_ids
+            )
         return tokenized.rid
 
     def _tokenize(self, req: GenerateReqInput) -> TokenizedGenerateReqInput:
         text, ids = encode_prompt(self.tokenizer, req.text, req.input_ids, req.messages)
         rid = req.rid if req.rid is not None else f"req-{next(self._rid_counter)}"
-        return TokenizedGenerateReqInput(rid=rid, input_text=text, input_ids=ids,
-                                         sampling_params=req.sampling_params, created_time=time.perf_counter())
+        return TokenizedGenerateReqInput(
+            rid=rid,
+            input_text=text,
+            input_ids=ids,
+            sampling_params=req.sampling_params,
+            created_time=time.perf_counter(),
+        )
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         return apply_chat_template(self.tokenizer, messages)
@@ -143,12 +159,20 @@ class Engine:
         out = self._step()
         sched = self.scheduler
         return EngineStep(
-            step=out.step, forward_mode=out.forward_mode.name, rids=out.rids, prefix_lens=out.prefix_lens,
-            extend_lens=out.extend_lens, new_tokens=out.new_token_ids,
+            step=out.step,
+            forward_mode=out.forward_mode.name,
+            rids=out.rids,
+            prefix_lens=out.prefix_lens,
+            extend_lens=out.extend_lens,
+            new_tokens=out.new_token_ids,
             new_text=dict(self._last_pieces),
-            finished=[r.rid for r in out.finished], retracted=out.retracted, blocked=out.blocked,
-            cache_hit_tokens=out.cache_hit_tokens, pool=sched.pool_usage(),
-            running=len(sched.running), waiting=len(sched.waiting_queue),
+            finished=[r.rid for r in out.finished],
+            retracted=out.retracted,
+            blocked=out.blocked,
+            cache_hit_tokens=out.cache_hit_tokens,
+            pool=sched.pool_usage(),
+            running=len(sched.running),
+            waiting=len(sched.waiting_queue),
         )
 
     def _step(self) -> StepOutput:
@@ -169,11 +193,22 @@ class Engine:
             done = {r.rid: r for r in out.finished}
             for rid in set(out.new_token_ids) | set(done):
                 reason = done[rid].finished_reason.to_dict() if rid in done else None
-                self.tracer.station(rid, Station.DETOKENIZE, start, end, step=out.step,
-                                    token=out.new_token_ids.get(rid), piece=self._last_pieces.get(rid, ""),
-                                    finish_reason=reason)
-        if out.forward_mode == ForwardMode.IDLE and not self.scheduler.running and self.scheduler.waiting_queue \
-                and not out.finished:
+                self.tracer.station(
+                    rid,
+                    Station.DETOKENIZE,
+                    start,
+                    end,
+                    step=out.step,
+                    token=out.new_token_ids.get(rid),
+                    piece=self._last_pieces.get(rid, ""),
+                    finish_reason=reason,
+                )
+        if (
+            out.forward_mode == ForwardMode.IDLE
+            and not self.scheduler.running
+            and self.scheduler.waiting_queue
+            and not out.finished
+        ):
             raise RuntimeError("the scheduler cannot admit any waiting request (see EngineStep.blocked)")
         return out
 
@@ -196,8 +231,11 @@ class Engine:
         if req.sampling_params.return_logprob:
             meta["output_token_logprobs"] = list(zip(req.output_token_logprobs, req.output_ids))
             meta["output_top_logprobs"] = req.output_top_logprobs
-        return {"text": detok.text if detok is not None else None, "output_ids": list(req.output_ids),
-                "meta_info": meta}
+        return {
+            "text": detok.text if detok is not None else None,
+            "output_ids": list(req.output_ids),
+            "meta_info": meta,
+        }
 
     def _wait_for(self, rids: list[str]) -> list[dict[str, Any]]:
         """Step until these requests have finished; hand back (and forget) their results."""
@@ -209,11 +247,14 @@ class Engine:
         while self.scheduler.has_work():
             self._step()
 
-    def generate(self, prompt: str | list[str] | None = None,
-                 sampling_params: dict[str, Any] | SamplingParams | list | None = None, *,
-                 input_ids: list[int] | list[list[int]] | None = None,
-                 messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = None,
-                 ) -> dict[str, Any] | list[dict[str, Any]]:
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | SamplingParams | list | None = None,
+        *,
+        input_ids: list[int] | list[list[int]] | None = None,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or many (returns a list, in order).
         Prompts are text, token ids or chat messages; sampling_params is one for all or one each."""
         single, items = _as_batch(prompt, input_ids, messages)

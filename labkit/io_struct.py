@@ -5,9 +5,10 @@ Server flow: TokenizerManager --TokenizedGenerateReqInput / AbortReq / control--
 --BatchTokenIDOutput--> DetokenizerManager --BatchStrOutput--> TokenizerManager; the scheduler
 answers control requests (ControlReq) straight to the TokenizerManager with ControlOutput.
 """
+
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -93,5 +94,5 @@ class BatchStrOutput(msgspec.Struct, kw_only=True, tag=True):
     trace: TraceChunk | None = None
 
 
-ToScheduler = Union[TokenizedGenerateReqInput, AbortReq, ControlReq]
-ToTokenizer = Union[BatchStrOutput, ControlOutput]
+ToScheduler = TokenizedGenerateReqInput | AbortReq | ControlReq
+ToTokenizer = BatchStrOutput | ControlOutput

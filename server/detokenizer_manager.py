@@ -1,5 +1,6 @@
 """The detokenizer process (station 9): token ids from the scheduler -> text pieces for the
 TokenizerManager, with one IncrementalDetokenizer per live request (dropped when it finishes)."""
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,11 @@ class DetokenizerManager:
             if detok is None and out.detokenize is not None and self.tokenizer is not None:
                 p = out.detokenize
                 detok = self.decode_status[out.rid] = IncrementalDetokenizer(
-                    self.tokenizer, stop=p.stop, skip_special_tokens=p.skip_special_tokens,
-                    spaces_between_special_tokens=p.spaces_between_special_tokens)
+                    self.tokenizer,
+                    stop=p.stop,
+                    skip_special_tokens=p.skip_special_tokens,
+                    spaces_between_special_tokens=p.spaces_between_special_tokens,
+                )
             piece = detok.feed(out.token_ids) if detok is not None and out.token_ids else ""
             if out.finish_reason is not None:
                 if detok is not None:
@@ -46,8 +50,16 @@ class DetokenizerManager:
             out.text, out.detokenize = piece, None
             if self.trace:
                 token = out.token_ids[-1] if out.token_ids else None  # at most one per step
-                events.append(StationEvent(out.rid, Station.DETOKENIZE, start, time.perf_counter(), None, {
-                    "token": token, "piece": piece, "finish_reason": out.finish_reason}))
+                events.append(
+                    StationEvent(
+                        out.rid,
+                        Station.DETOKENIZE,
+                        start,
+                        time.perf_counter(),
+                        None,
+                        {"token": token, "piece": piece, "finish_reason": out.finish_reason},
+                    )
+                )
         trace = batch.trace
         if events:
             trace = trace or TraceChunk()

@@ -1,5 +1,6 @@
 """Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with a 4xx/5xx status.
 Every failure the server answers goes through here, so no client ever sees a traceback."""
+
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,15 @@ _TYPES = {401: "authentication_error", 500: "internal_error", 503: "service_unav
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, type: str | None = None,
-                 param: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        type: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
         self.type = type or _TYPES.get(status, "invalid_request_error")

@@ -1,5 +1,6 @@
 """The FastAPI app (stations 1 and 10): OpenAI-compatible and native endpoints over the
 TokenizerManager, API-key check, and errors in OpenAI's shape."""
+
 from __future__ import annotations
 
 import asyncio
@@ -35,8 +36,9 @@ class APIKeyMiddleware:
             if self.expected is not None and scope["path"] != "/health":
                 given = dict(scope["headers"]).get(b"authorization", b"")
                 if not hmac.compare_digest(given, self.expected):
-                    await APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                                   code="invalid_api_key").response()(scope, receive, send)
+                    await APIError(
+                        401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key"
+                    ).response()(scope, receive, send)
                     return
         await self.app(scope, receive, send)
 
@@ -93,9 +95,20 @@ def create_app(runtime: AppRuntime) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{
-            "id": runtime.model_name, "object": "model", "created": runtime.created, "owned_by": "labkit",
-            "max_model_len": tm().limits.context_len}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": runtime.model_name,
+                        "object": "model",
+                        "created": runtime.created,
+                        "owned_by": "labkit",
+                        "max_model_len": tm().limits.context_len,
+                    }
+                ],
+            }
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
@@ -112,18 +125,33 @@ def create_app(runtime: AppRuntime) -> FastAPI:
         raw.state.handler_entered = time.perf_counter()
         manager = tm()
         parsed = time.perf_counter()
-        [state] = submit_or_raise(manager, [GenerateReqInput(
-            text=req.text, input_ids=req.input_ids, sampling_params=req.sampling_params, rid=req.rid)])
+        [state] = submit_or_raise(
+            manager,
+            [
+                GenerateReqInput(
+                    text=req.text, input_ids=req.input_ids, sampling_params=req.sampling_params, rid=req.rid
+                )
+            ],
+        )
         trace_http(manager, raw, [state.rid], parsed)
         choice = Choice(0, 0, state)
 
         def body() -> dict:
-            return {"text": choice.text, "output_ids": choice.token_ids, "meta_info": {
-                "id": state.rid, "prompt_tokens": state.prompt_tokens, "completion_tokens": len(choice.token_ids),
-                "cached_tokens": choice.cached_tokens, **finish_fields(choice.finish),
-                "e2e_latency": time.perf_counter() - state.created}}
+            return {
+                "text": choice.text,
+                "output_ids": choice.token_ids,
+                "meta_info": {
+                    "id": state.rid,
+                    "prompt_tokens": state.prompt_tokens,
+                    "completion_tokens": len(choice.token_ids),
+                    "cached_tokens": choice.cached_tokens,
+                    **finish_fields(choice.finish),
+                    "e2e_latency": time.perf_counter() - state.created,
+                },
+            }
 
         if req.stream:
+
             async def events():
                 try:
                     async for out in manager.stream(state):
@@ -132,6 +160,7 @@ def create_app(runtime: AppRuntime) -> FastAPI:
                 except ServerDeadError as e:
                     yield sse(server_unavailable(e).body())
                 yield "data: [DONE]\n\n"
+
             return StreamingResponse(events(), media_type="text/event-stream")
         try:
             async for out in manager.stream(state, raw.is_disconnected):
@@ -144,8 +173,15 @@ def create_app(runtime: AppRuntime) -> FastAPI:
     async def get_server_info() -> JSONResponse:
         manager = tm()
         info = await _control(manager, "get_info")
-        return JSONResponse({"server_args": runtime.args.to_dict(), "model": runtime.model_name,
-                             **manager.info, **info.data, "in_flight": len(manager.rid_to_state)})
+        return JSONResponse(
+            {
+                "server_args": runtime.args.to_dict(),
+                "model": runtime.model_name,
+                **manager.info,
+                **info.data,
+                "in_flight": len(manager.rid_to_state),
+            }
+        )
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> JSONResponse:
@@ -172,8 +208,10 @@ def create_app(runtime: AppRuntime) -> FastAPI:
             "num_running_reqs": ("Requests in the running batch", data["running"]),
             "num_queued_reqs": ("Requests in the waiting queue", data["waiting"]),
             "token_usage": ("Share of KV slots held by requests", data["token_usage"]),
-            "cache_hit_rate": ("Cached prompt tokens / prompt tokens, since start",
-                               m["cached_tokens_total"] / max(m["prompt_tokens_total"], 1)),
+            "cache_hit_rate": (
+                "Cached prompt tokens / prompt tokens, since start",
+                m["cached_tokens_total"] / max(m["prompt_tokens_total"], 1),
+            ),
         }
         return PlainTextResponse(manager.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 

@@ -18,6 +18,7 @@ with event loops of their own. The caller turns them, one message or one step at
     response = await task
     await server.close()
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,9 +64,11 @@ class InProcessServer:
             self.scheduler_loop = SchedulerLoop.create(self.args.engine, self.ports)
             # One process: the detokenizer shares the tokenizer the scheduler loaded.
             self.detokenizer_loop = DetokenizerLoop(
-                DetokenizerManager(self.scheduler.tokenizer, trace=self.args.engine.enable_trace), self.ports)
-            self.tm: TokenizerManager = make_tokenizer_manager(self.args, self.scheduler.tokenizer, self.ports,
-                                                               self.scheduler_loop.info())
+                DetokenizerManager(self.scheduler.tokenizer, trace=self.args.engine.enable_trace), self.ports
+            )
+            self.tm: TokenizerManager = make_tokenizer_manager(
+                self.args, self.scheduler.tokenizer, self.ports, self.scheduler_loop.info()
+            )
         except BaseException:
             if self.scheduler_loop is not None:
                 self.scheduler_loop.close()
@@ -73,8 +76,9 @@ class InProcessServer:
             raise
         self.ready = True
         self.app = create_app(self)
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://labkit",
-                                        timeout=None)
+        self.client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app), base_url="http://labkit", timeout=None
+        )
         self._lifespan = AsyncExitStack()
 
     @property

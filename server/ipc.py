@@ -1,5 +1,6 @@
 """ZMQ wiring between the three processes: ipc sockets in a private directory (mode 0700), msgpack
 encoding of the typed messages in labkit.io_struct (never pickle)."""
+
 from __future__ import annotations
 
 import os

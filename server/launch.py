@@ -6,6 +6,7 @@ spawn the children, and serve at once (503 until they are up). Ready: both child
 one-token generation passes; one line is printed. Shutdown: Ctrl-C / SIGTERM stop uvicorn, then the
 children are terminated (and killed if they linger) and the socket directory is removed. A child
 that dies makes every in-flight request fail, /health answer 503, and the server exit non-zero."""
+
 from __future__ import annotations
 
 import asyncio
@@ -50,8 +51,9 @@ class Launcher:
         ctx = mp.get_context("spawn")  # a clean interpreter: no forked torch or event-loop state
         for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, name=f"labkit-{name}", daemon=True,
-                               args=(self.args, self.ports, writer, os.getpid()))
+            proc = ctx.Process(
+                target=target, name=f"labkit-{name}", daemon=True, args=(self.args, self.ports, writer, os.getpid())
+            )
             proc.start()
             writer.close()
             self.procs[name], self.ready_conns[name] = proc, reader
@@ -72,8 +74,9 @@ class Launcher:
                         raise RuntimeError(f"the {name} process failed to start: {msg['error']}")
                     infos[name] = msg["info"]
                 elif not self.procs[name].is_alive():
-                    raise RuntimeError(f"the {name} process exited during start-up "
-                                       f"(exit code {self.procs[name].exitcode})")
+                    raise RuntimeError(
+                        f"the {name} process exited during start-up (exit code {self.procs[name].exitcode})"
+                    )
         return infos
 
     def dead_child(self) -> str | None:
@@ -120,9 +123,11 @@ class ServerRuntime:
         self.ready = self.launcher.dead_child() is None
         if self.ready:
             info = infos["scheduler"]
-            print(f"{READY_LINE} at http://{self.args.host}:{self.args.port} (model {self.model_name}, "
-                  f"{info['device']}, {info['dtype']}, KV pool {info['limits']['max_total_tokens']} tokens)",
-                  flush=True)
+            print(
+                f"{READY_LINE} at http://{self.args.host}:{self.args.port} (model {self.model_name}, "
+                f"{info['device']}, {info['dtype']}, KV pool {info['limits']['max_total_tokens']} tokens)",
+                flush=True,
+            )
         await self._watch(loop_task)
 
     async def _watch(self, loop_task: asyncio.Task) -> None:
@@ -173,9 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     launcher = Launcher(args)
     launcher.start_children()
     runtime = ServerRuntime(args, launcher, tokenizer, model_name_of(args))
-    server = uvicorn.Server(uvicorn.Config(create_app(runtime), host=args.host, port=args.port,
-                                           log_level=args.log_level, timeout_graceful_shutdown=3,
-                                           access_log=args.log_level == "debug"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(runtime),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=3,
+            access_log=args.log_level == "debug",
+        )
+    )
     runtime.uvicorn = server
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with the previous
     # handler restored: make that handler a clean exit, so the children are still taken down below.

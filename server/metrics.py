@@ -1,5 +1,6 @@
 """Prometheus metrics in the text exposition format (kept in the main process; small enough that
 a dependency would not pay for itself)."""
+
 from __future__ import annotations
 
 import bisect
@@ -62,8 +63,11 @@ class ServerMetrics:
         for name, (help_text, value) in gauges.items():
             lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} gauge", f"{PREFIX}{name} {value}"]
         for name, help_text in self.COUNTERS.items():
-            lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} counter",
-                      f"{PREFIX}{name} {self.counters[name]}"]
+            lines += [
+                f"# HELP {PREFIX}{name} {help_text}",
+                f"# TYPE {PREFIX}{name} counter",
+                f"{PREFIX}{name} {self.counters[name]}",
+            ]
         for hist in (self.ttft, self.itl, self.e2e):
             lines += hist.render()
         return "\n".join(lines) + "\n"
@@ -84,6 +88,13 @@ def parse_metrics(text: str) -> list[dict[str, Any]]:
             sample, value = line.rsplit(" ", 1)
             name, _, labels = sample.partition("{")
             metric = name if name in kinds else re.sub(r"_(bucket|sum|count)$", "", name)
-            samples.append({"name": name, "labels": dict(re.findall(r'(\w+)="([^"]*)"', labels)),
-                            "value": float(value), "type": kinds.get(metric), "help": helps.get(metric)})
+            samples.append(
+                {
+                    "name": name,
+                    "labels": dict(re.findall(r'(\w+)="([^"]*)"', labels)),
+                    "value": float(value),
+                    "type": kinds.get(metric),
+                    "help": helps.get(metric),
+                }
+            )
     return samples

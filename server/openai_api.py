@@ -1,5 +1,6 @@
 """The OpenAI-compatible endpoints' logic (stations 2 and 10): requests -> GenerateReqInputs ->
 TokenizerManager -> OpenAI JSON, whole or as Server-Sent Events."""
+
 from __future__ import annotations
 
 import asyncio
@@ -66,14 +67,21 @@ class OpenAIServing:
 
     async def _serve(self, req, raw: Request, prompts: list[dict], max_new: int, chat: bool) -> Response:
         if req.model != self.model_name:
-            raise APIError(404, f"The model '{req.model}' does not exist; this server serves "
-                                f"'{self.model_name}'", code="model_not_found", param="model")
+            raise APIError(
+                404,
+                f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
+                code="model_not_found",
+                param="model",
+            )
         resp_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         gen_reqs, where = [], []
         for p_idx, prompt in enumerate(prompts):
             for j in range(req.n):
-                gen_reqs.append(GenerateReqInput(**prompt, sampling_params=req.sampling_params(max_new, j),
-                                                 rid=f"{resp_id}-{len(gen_reqs)}"))
+                gen_reqs.append(
+                    GenerateReqInput(
+                        **prompt, sampling_params=req.sampling_params(max_new, j), rid=f"{resp_id}-{len(gen_reqs)}"
+                    )
+                )
                 where.append(p_idx)
         parsed = time.perf_counter()
         states = submit_or_raise(self.tm, gen_reqs)
@@ -141,8 +149,7 @@ class OpenAIServing:
             now = time.perf_counter()
             for c in choices:
                 start = c.state.last_token_time or now
-                self.tm.tracer.station(c.state.rid, Station.RESPOND, start, now, text=c.text,
-                                       finish_reason=c.finish)
+                self.tm.tracer.station(c.state.rid, Station.RESPOND, start, now, text=c.text, finish_reason=c.finish)
 
 
 class _Formatter:
@@ -163,16 +170,22 @@ class _Formatter:
         return self._envelope([item], "chat.completion.chunk" if self.chat else "text_completion")
 
     def delta_chunk(self, c: Choice, out: ReqOutput) -> dict[str, Any]:
-        entries = c.logprobs[len(c.logprobs) - len(out.token_ids):] if out.token_logprobs is not None else None
+        entries = c.logprobs[len(c.logprobs) - len(out.token_ids) :] if out.token_logprobs is not None else None
         offset = len(c.text) - len(out.text)
-        return self.chunk(c, {"content": out.text} if self.chat else out.text,
-                          logprobs=self.logprobs(entries, offset) if entries is not None else None)
+        return self.chunk(
+            c,
+            {"content": out.text} if self.chat else out.text,
+            logprobs=self.logprobs(entries, offset) if entries is not None else None,
+        )
 
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         items = []
         for c in choices:
-            item = {"index": c.index, **finish_fields(c.finish),
-                    "logprobs": self.logprobs(c.logprobs) if self._wants_logprobs else None}
+            item = {
+                "index": c.index,
+                **finish_fields(c.finish),
+                "logprobs": self.logprobs(c.logprobs) if self._wants_logprobs else None,
+            }
             if self.chat:
                 item["message"] = {"role": "assistant", "content": c.text}
             else:
@@ -195,20 +208,27 @@ class _Formatter:
         """OpenAI's logprobs object; `offset` is where these tokens' text starts in the choice's text."""
         token = self._token_text
         if self.chat:
+
             def entry(token_id: int, logprob: float) -> dict[str, Any]:
                 text = token(token_id)
                 return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-            return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in (tops or [])]}
-                                for t, lp, tops in entries]}
+            return {
+                "content": [
+                    {**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in (tops or [])]} for t, lp, tops in entries
+                ]
+            }
         tokens = [token(t) for t, _, _ in entries]
         offsets, pos = [], offset
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{token(i): v for i, v in tops} if tops else None for _, _, tops in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{token(i): v for i, v in tops} if tops else None for _, _, tops in entries],
+            "text_offset": offsets,
+        }
 
     def _token_text(self, token_id: int) -> str:
         tok = self.tm.tokenizer
@@ -229,8 +249,12 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
         first.setdefault(c.prompt_index, c)
     prompt = sum(c.state.prompt_tokens for c in first.values())
     completion = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in first.values())}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in first.values())},
+    }
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -245,8 +269,9 @@ def submit_or_raise(tm: TokenizerManager, reqs: list[GenerateReqInput]) -> list[
         code = "context_length_exceeded" if "context length" in str(e) else "invalid_value"
         raise APIError(400, str(e), code=code) from None
     except QueueFullError as e:
-        raise APIError(503, f"too many requests queued ({e}); retry later", code="queue_full",
-                       headers={"Retry-After": "1"}) from None
+        raise APIError(
+            503, f"too many requests queued ({e}); retry later", code="queue_full", headers={"Retry-After": "1"}
+        ) from None
     except ServerDeadError as e:
         raise server_unavailable(e) from None
 

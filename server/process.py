@@ -6,6 +6,7 @@ tests and the serving notebook use it.
     httpx.get(server.url + "/v1/models")
     server.stop()                                 # SIGTERM; raises if something had to be killed
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -78,8 +79,9 @@ class ServerProcess:
 
     def child_pids(self) -> list[int]:
         """The server's child processes: the scheduler, the detokenizer, multiprocessing's resource tracker."""
-        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True,
-                             check=False)
+        out = subprocess.run(
+            ["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True, check=False
+        )
         return [int(p) for p in out.stdout.split()]
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:

@@ -1,5 +1,6 @@
 """OpenAI request bodies (pydantic, so FastAPI parses and type-checks them) and their mapping onto
 labkit's sampling parameters. Unknown fields are refused with a 400 rather than silently ignored."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -57,11 +58,19 @@ class _SamplingRequest(BaseModel):
     def sampling_params(self, max_new_tokens: int, index: int) -> dict[str, Any]:
         """labkit SamplingParams for choice `index` (seeded choices differ: seed + index)."""
         return {
-            "max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens,
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-            "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
-            "repetition_penalty": self.repetition_penalty, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
-            "ignore_eos": self.ignore_eos, "seed": None if self.seed is None else self.seed + index,
+            "max_new_tokens": max_new_tokens,
+            "min_new_tokens": self.min_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "seed": None if self.seed is None else self.seed + index,
             "skip_special_tokens": self.skip_special_tokens,
         }
 
@@ -77,8 +86,11 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def sampling_params(self, max_new_tokens: int, index: int) -> dict[str, Any]:
-        return {**super().sampling_params(max_new_tokens, index), "return_logprob": self.logprobs,
-                "top_logprobs_num": (self.top_logprobs or 0) if self.logprobs else 0}
+        return {
+            **super().sampling_params(max_new_tokens, index),
+            "return_logprob": self.logprobs,
+            "top_logprobs_num": (self.top_logprobs or 0) if self.logprobs else 0,
+        }
 
 
 class CompletionRequest(_SamplingRequest):
@@ -100,8 +112,11 @@ class CompletionRequest(_SamplingRequest):
         return [{"input_ids": x} for x in p]
 
     def sampling_params(self, max_new_tokens: int, index: int) -> dict[str, Any]:
-        return {**super().sampling_params(max_new_tokens, index), "return_logprob": self.logprobs is not None,
-                "top_logprobs_num": self.logprobs or 0}
+        return {
+            **super().sampling_params(max_new_tokens, index),
+            "return_logprob": self.logprobs is not None,
+            "top_logprobs_num": self.logprobs or 0,
+        }
 
 
 class GenerateRequest(BaseModel):

@@ -3,6 +3,7 @@
 Its event loop: receive requests (blocking only when idle), add/abort them, run one scheduler step,
 send the step's tokens to the detokenizer. Control requests (get_info, flush_cache) are answered
 straight to the TokenizerManager between steps."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,17 @@ import zmq
 
 from labkit.config import EngineConfig
 from labkit.engine import build_scheduler
-from labkit.io_struct import (AbortReq, BatchTokenIDOutput, ControlOutput, ControlReq, DetokenizeParams,
-                              ReqOutput, TokenizedGenerateReqInput, ToScheduler, TraceChunk)
+from labkit.io_struct import (
+    AbortReq,
+    BatchTokenIDOutput,
+    ControlOutput,
+    ControlReq,
+    DetokenizeParams,
+    ReqOutput,
+    TokenizedGenerateReqInput,
+    ToScheduler,
+    TraceChunk,
+)
 from labkit.scheduler.scheduler import Scheduler, StepOutput
 from labkit.server.ipc import ENCODER, PortArgs, init_child, parent_alive, pull_socket, push_socket
 from labkit.server.server_args import ServerArgs
@@ -65,9 +75,14 @@ class SchedulerLoop:
     def info(self) -> dict:
         """Static facts the TokenizerManager needs (limits for validation) and reports."""
         s, runner = self.scheduler, self.scheduler.model_runner
-        return {"limits": dataclasses.asdict(s.limits), "page_size": s.page_size,
-                "device": str(runner.device), "dtype": str(runner.dtype).replace("torch.", ""),
-                "req_slots": runner.req_to_token_pool.size, "pid": os.getpid()}
+        return {
+            "limits": dataclasses.asdict(s.limits),
+            "page_size": s.page_size,
+            "device": str(runner.device),
+            "dtype": str(runner.dtype).replace("torch.", ""),
+            "req_slots": runner.req_to_token_pool.size,
+            "pid": os.getpid(),
+        }
 
     def run(self, parent_pid: int) -> None:
         while parent_alive(parent_pid):
@@ -117,13 +132,18 @@ class SchedulerLoop:
         if req.action == "get_info":
             pool = s.pool_usage()
             slots = s.req_to_token_pool
-            return ControlOutput(req_id=req.req_id, ok=True, data={
-                "running": len(s.running) + (s.chunked_req is not None), "waiting": len(s.waiting_queue),
-                "pool": dataclasses.asdict(pool),
-                "token_usage": (pool.protected + pool.request_owned) / pool.total,
-                "req_slots": {"total": slots.size, "free": slots.available_size()},
-                "cached_tokens_in_tree": s.tree_cache.evictable_size() + s.tree_cache.protected_size(),
-            })
+            return ControlOutput(
+                req_id=req.req_id,
+                ok=True,
+                data={
+                    "running": len(s.running) + (s.chunked_req is not None),
+                    "waiting": len(s.waiting_queue),
+                    "pool": dataclasses.asdict(pool),
+                    "token_usage": (pool.protected + pool.request_owned) / pool.total,
+                    "req_slots": {"total": slots.size, "free": slots.available_size()},
+                    "cached_tokens_in_tree": s.tree_cache.evictable_size() + s.tree_cache.protected_size(),
+                },
+            )
         return ControlOutput(req_id=req.req_id, ok=False, message=f"unknown action {req.action!r}")
 
     def send_outputs(self, out: StepOutput) -> bool:
@@ -141,9 +161,11 @@ class SchedulerLoop:
                 if params.top_logprobs_num:
                     o.top_logprobs = req.output_top_logprobs[-1:]
             if rid not in self.announced:
-                o.detokenize = DetokenizeParams(stop=params.stop_strs,
-                                                skip_special_tokens=params.skip_special_tokens,
-                                                spaces_between_special_tokens=params.spaces_between_special_tokens)
+                o.detokenize = DetokenizeParams(
+                    stop=params.stop_strs,
+                    skip_special_tokens=params.skip_special_tokens,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
+                )
                 self.announced.add(rid)
             if req.finished():
                 o.finish_reason = req.finished_reason.to_dict()
@@ -155,8 +177,7 @@ class SchedulerLoop:
         tracer = self.scheduler.tracer
         if tracer is None or not (tracer.events or tracer.steps or tracer.tree_events):
             return None
-        chunk = TraceChunk(events=list(tracer.events), steps=list(tracer.steps),
-                           tree_events=list(tracer.tree_events))
+        chunk = TraceChunk(events=list(tracer.events), steps=list(tracer.steps), tree_events=list(tracer.tree_events))
         tracer.clear()
         return chunk
 
@@ -165,4 +186,3 @@ class SchedulerLoop:
             return False
         self.send_to_detokenizer.send(ENCODER.encode(BatchTokenIDOutput(outputs=outputs, trace=trace)))
         return True
-

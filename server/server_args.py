@@ -1,5 +1,6 @@
 """ServerArgs: the server's options. Every EngineConfig field is an option too, so `--help` lists
 the whole engine; `--config FILE` (YAML or JSON) supplies values that the command line overrides."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,7 @@ from labkit.config import EngineConfig
 
 ENGINE_HELP = {
     "model_path": "HF model directory, or a data/configs name with --load-format dummy "
-                  "(none: the embedded SmolLM2-135M-Instruct)",
+    "(none: the embedded SmolLM2-135M-Instruct)",
     "load_format": "auto: weights from --model-path; dummy: random weights for a config",
     "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16",
     "device": "auto (cuda if available), cpu or cuda",
@@ -33,10 +34,10 @@ ENGINE_HELP = {
     "schedule_conservativeness": "scales the decode reservation of admitted requests",
     "attention_backend": "auto (triton on CUDA, torch_native on CPU), torch_native or triton",
     "cuda_graph_max_bs": "largest decode batch run from a captured CUDA graph (CUDA with the triton backend); "
-                         "larger batches run eagerly",
+    "larger batches run eagerly",
     "disable_cuda_graph": "never capture CUDA graphs: every decode step runs eagerly",
     "enable_torch_compile": "torch.compile the decode forward around the attention kernels (the CUDA graphs are "
-                            "captured from it); compiling takes a while at start",
+    "captured from it); compiling takes a while at start",
     "torch_compile_max_bs": "largest decode batch run compiled with --enable-torch-compile",
     "disable_overlap_schedule": "schedule each step only after the previous one finished (overlap is on for CUDA)",
     "overlap_schedule_on_cpu": "overlap scheduling on CPU too: no speed-up there; tokens arrive one step later",
@@ -49,16 +50,21 @@ class ServerArgs:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=30000, metadata={"help": "port to listen on"})
-    served_model_name: str | None = field(default=None, metadata={
-        "help": "model name in the API (default: --model-path, or the embedded model's name)"})
-    max_queued_requests: int | None = field(default=None, metadata={
-        "help": "requests allowed to wait beyond --max-running-requests; more get 503 (default: no limit)"})
-    api_key: str | None = field(default=None, metadata={
-        "help": "require 'Authorization: Bearer KEY' on every endpoint but /health"})
+    served_model_name: str | None = field(
+        default=None, metadata={"help": "model name in the API (default: --model-path, or the embedded model's name)"}
+    )
+    max_queued_requests: int | None = field(
+        default=None,
+        metadata={"help": "requests allowed to wait beyond --max-running-requests; more get 503 (default: no limit)"},
+    )
+    api_key: str | None = field(
+        default=None, metadata={"help": "require 'Authorization: Bearer KEY' on every endpoint but /health"}
+    )
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     enable_metrics: bool = field(default=False, metadata={"help": "serve Prometheus metrics at /metrics"})
-    trace_file: str | None = field(default=None, metadata={
-        "help": "record station/step traces and write them as Perfetto JSON here at shutdown"})
+    trace_file: str | None = field(
+        default=None, metadata={"help": "record station/step traces and write them as Perfetto JSON here at shutdown"}
+    )
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:
@@ -92,8 +98,9 @@ class ServerArgs:
 
 def _options() -> list[tuple[dataclasses.Field, str]]:
     """(field, help) of every option: the engine's fields, then the server's own."""
-    opts = [(f, ENGINE_HELP.get(f.name, "")) for f in dataclasses.fields(EngineConfig)
-            if f.name not in HIDDEN_ENGINE_FIELDS]
+    opts = [
+        (f, ENGINE_HELP.get(f.name, "")) for f in dataclasses.fields(EngineConfig) if f.name not in HIDDEN_ENGINE_FIELDS
+    ]
     opts += [(f, f.metadata["help"]) for f in dataclasses.fields(ServerArgs) if f.name != "engine"]
     return opts
 
@@ -105,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m labkit.server",
         description="labkit's OpenAI-compatible server: HTTP + tokenizer, scheduler and detokenizer processes.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of options (command line wins)")
     for f, help_text in _options():
         flag = "--" + f.name.replace("_", "-")
@@ -114,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
         if type_name == "bool":
             parser.add_argument(flag, action="store_true", default=default, help=help_text)
         else:
-            parser.add_argument(flag, type=_TYPES[type_name], default=default, help=help_text,
-                                metavar=type_name.upper())
+            parser.add_argument(
+                flag, type=_TYPES[type_name], default=default, help=help_text, metavar=type_name.upper()
+            )
     return parser
 
 

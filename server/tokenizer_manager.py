@@ -4,6 +4,7 @@ rid -> ReqState, and hands each request's outputs to the HTTP handler waiting on
 `submit` checks and sends a request (raising before any response is started, so bad input becomes a
 4xx); `stream` yields its outputs as they arrive and aborts it in the scheduler if the consumer
 goes away first (client disconnect, cancellation)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,8 +19,16 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from labkit.io_struct import (AbortReq, BatchStrOutput, ControlOutput, ControlReq, GenerateReqInput, ReqOutput,
-                              TokenizedGenerateReqInput, ToTokenizer)
+from labkit.io_struct import (
+    AbortReq,
+    BatchStrOutput,
+    ControlOutput,
+    ControlReq,
+    GenerateReqInput,
+    ReqOutput,
+    TokenizedGenerateReqInput,
+    ToTokenizer,
+)
 from labkit.scheduler.limits import RequestLimits
 from labkit.server.ipc import ENCODER, PortArgs, pull_socket, push_socket
 from labkit.server.metrics import ServerMetrics
@@ -52,8 +61,9 @@ class ReqState:
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer, ports: PortArgs, info: dict[str, Any], max_in_flight: int | None,
-                 tracer: Tracer | None = None):
+    def __init__(
+        self, tokenizer, ports: PortArgs, info: dict[str, Any], max_in_flight: int | None, tracer: Tracer | None = None
+    ):
         self.tokenizer = tokenizer
         self.limits = RequestLimits(**info["limits"])
         self.info = info
@@ -74,8 +84,7 @@ class TokenizerManager:
         QueueFullError (503) or ServerDeadError (503)."""
         if self.dead:
             raise ServerDeadError(self.dead)
-        if check_queue and self.max_in_flight is not None and \
-                len(self.rid_to_state) + len(reqs) > self.max_in_flight:
+        if check_queue and self.max_in_flight is not None and len(self.rid_to_state) + len(reqs) > self.max_in_flight:
             raise QueueFullError(f"{len(self.rid_to_state)} requests in flight; the limit is {self.max_in_flight}")
         tokenized = []
         for req in reqs:
@@ -85,9 +94,19 @@ class TokenizerManager:
             rid = req.rid or uuid.uuid4().hex
             if rid in self.rid_to_state:
                 raise ValueError(f"request id {rid!r} is already in use")
-            tokenized.append((start, TokenizedGenerateReqInput(
-                rid=rid, input_text=text, input_ids=ids, sampling_params=req.sampling_params,
-                stream=req.stream, created_time=time.perf_counter())))
+            tokenized.append(
+                (
+                    start,
+                    TokenizedGenerateReqInput(
+                        rid=rid,
+                        input_text=text,
+                        input_ids=ids,
+                        sampling_params=req.sampling_params,
+                        stream=req.stream,
+                        created_time=time.perf_counter(),
+                    ),
+                )
+            )
         states = []
         for start, tok in tokenized:
             msg = ENCODER.encode(tok)
@@ -96,13 +115,15 @@ class TokenizerManager:
             state = self.rid_to_state[tok.rid] = ReqState(tok.rid, len(tok.input_ids), created=start)
             states.append(state)
             if self.tracer is not None:
-                self.tracer.station(tok.rid, Station.TOKENIZE, start, tok.created_time,
-                                    text=tok.input_text, input_ids=tok.input_ids)
+                self.tracer.station(
+                    tok.rid, Station.TOKENIZE, start, tok.created_time, text=tok.input_text, input_ids=tok.input_ids
+                )
                 self.tracer.station(tok.rid, Station.ZMQ_SEND, tok.created_time, now, message_bytes=len(msg))
         return states
 
-    async def stream(self, state: ReqState,
-                     is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[ReqOutput]:
+    async def stream(
+        self, state: ReqState, is_disconnected: Callable[[], Awaitable[bool]] | None = None
+    ) -> AsyncIterator[ReqOutput]:
         """Yield the request's outputs until it finishes. Raises ServerDeadError if serving stopped.
         Leaving early (disconnect, cancellation, an error) aborts the request in the scheduler."""
         checked = time.perf_counter()
@@ -145,8 +166,16 @@ class TokenizerManager:
     async def generate_one_token(self, timeout: float) -> bool:
         """The health probe: one greedy token through all three processes."""
         try:
-            [state] = self.submit([GenerateReqInput(input_ids=[0], sampling_params={
-                "max_new_tokens": 1, "temperature": 0.0}, rid=f"health-{uuid.uuid4().hex}")], check_queue=False)
+            [state] = self.submit(
+                [
+                    GenerateReqInput(
+                        input_ids=[0],
+                        sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                        rid=f"health-{uuid.uuid4().hex}",
+                    )
+                ],
+                check_queue=False,
+            )
 
             async def collect() -> list[ReqOutput]:
                 return [o async for o in self.stream(state)]

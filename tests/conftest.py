@@ -1,4 +1,5 @@
 """Shared fixtures: the embedded model (converted once per machine) and its transformers reference."""
+
 from __future__ import annotations
 
 import os
@@ -43,22 +44,41 @@ class PagedKVHarness:
     """Real ReqToTokenPool + TokenToKVPool + an attention backend, with KV slots assigned by hand
     page by page from a shuffled page list (so a request's pages are not contiguous)."""
 
-    def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 page_size: int, dtype: torch.dtype = torch.float32, num_pages: int = 96,
-                 max_reqs: int = 8, max_ctx: int = 512, seed: int = 0, backend: str = "torch_native"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype: torch.dtype = torch.float32,
+        num_pages: int = 96,
+        max_reqs: int = 8,
+        max_ctx: int = 512,
+        seed: int = 0,
+        backend: str = "torch_native",
+    ):
         from labkit.attention import ATTENTION_BACKENDS, AttentionBackendConfig
         from labkit.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 
         self.page_size = page_size
         self.req_pool = ReqToTokenPool(max_reqs, max_ctx)
-        self.kv_pool = TokenToKVPool(num_pages * page_size, page_size, dtype, num_layers,
-                                     num_kv_heads, head_dim)
+        self.kv_pool = TokenToKVPool(num_pages * page_size, page_size, dtype, num_layers, num_kv_heads, head_dim)
         self.free_pages = list(range(1, num_pages + 1))  # page 0 is reserved
         _lk_random.Random(seed).shuffle(self.free_pages)
         self.lens: dict[int, int] = {}
-        self.backend = ATTENTION_BACKENDS[backend](AttentionBackendConfig(
-            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-            max_context_len=max_ctx, max_batch_size=max_reqs, dtype=dtype, device=torch.device("cpu")))
+        self.backend = ATTENTION_BACKENDS[backend](
+            AttentionBackendConfig(
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                page_size=page_size,
+                max_context_len=max_ctx,
+                max_batch_size=max_reqs,
+                dtype=dtype,
+                device=torch.device("cpu"),
+            )
+        )
 
     def new_req(self, share_from: int | None = None, prefix_len: int = 0) -> int:
         """A request slot; optionally reusing the first prefix_len KV slots of request share_from."""
@@ -80,21 +100,26 @@ class PagedKVHarness:
             for pos in range(start, start + n):
                 page = self.free_pages.pop() if pos % ps == 0 else int(r2t[req, pos - 1]) // ps
                 r2t[req, pos] = page * ps + pos % ps
-            locs.append(r2t[req, start:start + n].clone())
+            locs.append(r2t[req, start : start + n].clone())
             positions.append(torch.arange(start, start + n))
             prefix_lens.append(start)
             seq_lens.append(start + n)
             self.lens[req] = start + n
         num_tokens = sum(n for _, n in items)
         return ForwardBatch(
-            forward_mode=mode, batch_size=len(items),
+            forward_mode=mode,
+            batch_size=len(items),
             input_ids=input_ids if input_ids is not None else torch.zeros(num_tokens, dtype=torch.int64),
             positions=torch.cat(positions),
             req_pool_indices=torch.tensor([r for r, _ in items], dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64), out_cache_loc=torch.cat(locs),
-            seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=prefix_lens,
-            extend_seq_lens_cpu=[n for _, n in items], req_to_token_pool=self.req_pool,
-            token_to_kv_pool=self.kv_pool, attn_backend=self.backend,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            out_cache_loc=torch.cat(locs),
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=prefix_lens,
+            extend_seq_lens_cpu=[n for _, n in items],
+            req_to_token_pool=self.req_pool,
+            token_to_kv_pool=self.kv_pool,
+            attn_backend=self.backend,
         )
 
 

@@ -1,4 +1,5 @@
 """TokenToKVPoolAllocator: page layout, exclusivity, all-or-nothing, double free."""
+
 from __future__ import annotations
 
 import pytest
@@ -140,7 +141,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self._check_new(grown, prefix, out.tolist())
         for i, g in zip(grow, grown):
             self.seqs[i] = g
-        self.seqs.extend(grown[len(grow):])
+        self.seqs.extend(grown[len(grow) :])
 
     @precondition(lambda self: self.alloc is not None and any(self.seqs))
     @rule(data=st.data())
@@ -190,6 +191,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.alloc.available_size() == self.alloc.size
 
 
-AllocatorMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None,
-                                              suppress_health_check=[HealthCheck.too_slow])
+AllocatorMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 test_allocator_machine = AllocatorMachine.TestCase

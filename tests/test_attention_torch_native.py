@@ -1,4 +1,5 @@
 """torch_native attention backend vs a dense float64 reference, on fresh random inputs."""
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,15 @@ from labkit.model_executor.forward_batch import ForwardMode
 LAYER = 1  # not 0, so a layer-index mix-up shows
 
 
-def _run(harness_cls, mode: ForwardMode, shape: list[tuple[int, int]], num_heads: int,
-         num_kv_heads: int, head_dim: int, page_size: int) -> None:
+def _run(
+    harness_cls,
+    mode: ForwardMode,
+    shape: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+) -> None:
     """shape: (prefix_len, new_len) per request. Prefixes are stored in the pool beforehand."""
     h = harness_cls(2, num_heads, num_kv_heads, head_dim, page_size, num_pages=4096 // page_size)
     gen = torch.Generator().manual_seed(hash((mode, tuple(shape), num_heads, head_dim, page_size)) % 2**31)
@@ -43,8 +51,9 @@ def _run(harness_cls, mode: ForwardMode, shape: list[tuple[int, int]], num_heads
     start = 0
     for (prefix, n), kp, vp in zip(shape, full_k, full_v):
         sl = slice(start, start + n)
-        ref = dense_attention(q[sl], torch.cat([kp, k[sl]]), torch.cat([vp, v[sl]]), prefix, spec.scaling,
-                              torch.float64).reshape(n, -1)
+        ref = dense_attention(
+            q[sl], torch.cat([kp, k[sl]]), torch.cat([vp, v[sl]]), prefix, spec.scaling, torch.float64
+        ).reshape(n, -1)
         torch.testing.assert_close(out[sl].double(), ref, atol=2e-5, rtol=1e-5)
         start += n
 
@@ -72,9 +81,14 @@ def test_decode_is_batch_invariant(paged_kv_harness):
     reqs = [h.new_req() for _ in range(3)]
     for r, n in zip(reqs, (5, 30, 12)):
         fb = h.batch(ForwardMode.EXTEND, [(r, n)])
-        h.kv_pool.set_kv_buffer(LAYER, fb.out_cache_loc, torch.randn(n, 2, 64, generator=gen),
-                                torch.randn(n, 2, 64, generator=gen))
-    q, k, v = torch.randn(3, 8, 64, generator=gen), torch.randn(3, 2, 64, generator=gen), torch.randn(3, 2, 64, generator=gen)
+        h.kv_pool.set_kv_buffer(
+            LAYER, fb.out_cache_loc, torch.randn(n, 2, 64, generator=gen), torch.randn(n, 2, 64, generator=gen)
+        )
+    q, k, v = (
+        torch.randn(3, 8, 64, generator=gen),
+        torch.randn(3, 2, 64, generator=gen),
+        torch.randn(3, 2, 64, generator=gen),
+    )
     fb = h.batch(ForwardMode.DECODE, [(r, 1) for r in reqs])
     h.backend.init_forward_metadata(fb)
     together = h.backend.forward(q, k, v, spec, fb, save_kv_cache=True)
@@ -82,5 +96,5 @@ def test_decode_is_batch_invariant(paged_kv_harness):
         h.lens[r] -= 1
         fb1 = h.batch(ForwardMode.DECODE, [(r, 1)])
         h.backend.init_forward_metadata(fb1)
-        alone = h.backend.forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], spec, fb1, save_kv_cache=False)
+        alone = h.backend.forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], spec, fb1, save_kv_cache=False)
         torch.testing.assert_close(alone[0], together[i], atol=1e-6, rtol=1e-6)

@@ -1,4 +1,5 @@
 """profile_step's kernel groups: every kernel labkit launches lands in the group named for it."""
+
 from __future__ import annotations
 
 import re
@@ -19,19 +20,27 @@ def _triton_kernel_names() -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("kernel, group", [
-    ("_decode_stage1_kernel", "attention, decode"),
-    ("_decode_stage2_kernel", "attention, decode"),
-    ("_extend_kernel", "attention, extend"),
-    ("_store_kv_kernel", "kv store"),
-    ("_rmsnorm_kernel", "rmsnorm"),
-    ("_rope_kernel", "rotary (+ q/k norm)"),
-    ("_silu_and_mul_kernel", "silu_and_mul"),
-    ("nvjet_sm90_tst_64x32_64x16_1x2_h_bz_TNT", "matmul"),
-    (("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, "
-      "at::native::ArgMaxOps<float>, unsigned int, long, 4, 4> >"), "argmax / sampling"),
-    ("Memcpy DtoD (Device -> Device)", "copies / casts / indexing"),
-])
+@pytest.mark.parametrize(
+    "kernel, group",
+    [
+        ("_decode_stage1_kernel", "attention, decode"),
+        ("_decode_stage2_kernel", "attention, decode"),
+        ("_extend_kernel", "attention, extend"),
+        ("_store_kv_kernel", "kv store"),
+        ("_rmsnorm_kernel", "rmsnorm"),
+        ("_rope_kernel", "rotary (+ q/k norm)"),
+        ("_silu_and_mul_kernel", "silu_and_mul"),
+        ("nvjet_sm90_tst_64x32_64x16_1x2_h_bz_TNT", "matmul"),
+        (
+            (
+                "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, "
+                "at::native::ArgMaxOps<float>, unsigned int, long, 4, 4> >"
+            ),
+            "argmax / sampling",
+        ),
+        ("Memcpy DtoD (Device -> Device)", "copies / casts / indexing"),
+    ],
+)
 def test_kernel_names_map_to_their_group(kernel, group):
     assert group_of(kernel) == group
 

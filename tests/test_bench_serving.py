@@ -1,5 +1,6 @@
 """The serving benchmark client: datasets, metrics math, SSE streaming and timing against a mock server,
 the arrival schedule, the concurrency limit, and the engine backend and CLI on a tiny random-weight model."""
+
 from __future__ import annotations
 
 import asyncio
@@ -67,7 +68,7 @@ def test_multiturn_file_loads_and_later_turns_extend_earlier_ones():
         by_first[r.prompt[0]["content"]].append(r)
     for turns, conv in zip(by_first.values(), convs):
         for k, (prev, cur) in enumerate(zip(turns, turns[1:])):
-            assert cur.prompt[:len(prev.prompt)] == prev.prompt
+            assert cur.prompt[: len(prev.prompt)] == prev.prompt
             assert cur.prompt[len(prev.prompt)] == {"role": "assistant", "content": conv[k]["assistant"]}
             assert cur.prompt_len > prev.prompt_len
     assert len(datasets.multiturn_requests(WordTokenizer(), 32, num_prompts=5)) == 5
@@ -75,9 +76,11 @@ def test_multiturn_file_loads_and_later_turns_extend_earlier_ones():
 
 # ---- metrics -------------------------------------------------------------------------------
 def test_metrics_match_hand_computed_values():
-    outs = [RequestOutput(True, prompt_len=10, output_len=5, ttft=0.1, itl=[0.05, 0.05, 0.1, 0.1], latency=0.4),
-            RequestOutput(True, prompt_len=20, output_len=1, ttft=0.2, latency=0.2),
-            RequestOutput(False, error="boom", prompt_len=30)]
+    outs = [
+        RequestOutput(True, prompt_len=10, output_len=5, ttft=0.1, itl=[0.05, 0.05, 0.1, 0.1], latency=0.4),
+        RequestOutput(True, prompt_len=20, output_len=1, ttft=0.2, latency=0.2),
+        RequestOutput(False, error="boom", prompt_len=30),
+    ]
     m = serving.compute_metrics(outs, duration=2.0)
     assert (m.completed, m.failed, m.total_input_tokens, m.total_output_tokens) == (2, 1, 30, 6)
     assert (m.request_throughput, m.input_throughput, m.output_throughput, m.total_throughput) == (1, 15, 3, 18)
@@ -155,8 +158,13 @@ def test_streaming_request_is_parsed_and_timed(chat):
     path, body = seen[0]
     assert path == ("/v1/chat/completions" if chat else "/v1/completions")
     assert body["messages" if chat else "prompt"] == req.prompt
-    assert {k: body[k] for k in ("model", "max_tokens", "temperature", "stream", "ignore_eos")} == \
-        {"model": "m", "max_tokens": 4, "temperature": 0, "stream": True, "ignore_eos": True}
+    assert {k: body[k] for k in ("model", "max_tokens", "temperature", "stream", "ignore_eos")} == {
+        "model": "m",
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     assert body["stream_options"] == {"include_usage": True}
 
 
@@ -187,8 +195,12 @@ def test_failed_requests_are_recorded_not_dropped():
     reqs = [BenchRequest([k], 1, 2) for k in (1, 2, 3, 4)]
     outs, duration = run_mock(httpx.MockTransport(handler), reqs)
     assert not any(o.success for o in outs)
-    assert ["HTTP 500" in outs[0].error, "oom" in outs[1].error, "[DONE]" in outs[2].error,
-            "ConnectError" in outs[3].error] == [True] * 4
+    assert [
+        "HTTP 500" in outs[0].error,
+        "oom" in outs[1].error,
+        "[DONE]" in outs[2].error,
+        "ConnectError" in outs[3].error,
+    ] == [True] * 4
     assert serving.compute_metrics(outs, duration).failed == 4
 
 
@@ -258,12 +270,41 @@ def test_engine_backend_times_every_token_within_limits(tiny_engine):
 
 def test_cli_engine_backend_appends_json_lines(tmp_path, capsys):
     path = tmp_path / "out.jsonl"
-    common = ["--backend", "engine", "--model-path", "tiny-llama", "--load-format", "dummy",
-              "--max-total-tokens", "1024", "--disable-tqdm", "--output-file", str(path), "--max-concurrency", "2"]
+    common = [
+        "--backend",
+        "engine",
+        "--model-path",
+        "tiny-llama",
+        "--load-format",
+        "dummy",
+        "--max-total-tokens",
+        "1024",
+        "--disable-tqdm",
+        "--output-file",
+        str(path),
+        "--max-concurrency",
+        "2",
+    ]
     serving.main(common + ["--num-prompts", "4", "--random-input-len", "12", "--random-output-len", "3"])
-    serving.main(common + ["--dataset", "shared-prefix", "--gsp-num-groups", "2", "--gsp-prompts-per-group", "2",
-                           "--gsp-system-prompt-len", "8", "--gsp-question-len", "4", "--gsp-output-len", "2",
-                           "--request-rate", "100"])
+    serving.main(
+        common
+        + [
+            "--dataset",
+            "shared-prefix",
+            "--gsp-num-groups",
+            "2",
+            "--gsp-prompts-per-group",
+            "2",
+            "--gsp-system-prompt-len",
+            "8",
+            "--gsp-question-len",
+            "4",
+            "--gsp-output-len",
+            "2",
+            "--request-rate",
+            "100",
+        ]
+    )
     first, second = [json.loads(line) for line in path.read_text().splitlines()]
     assert first["metrics"]["completed"] == 4 and first["metrics"]["total_output_tokens"] == 12
     assert first["args"]["backend"] == "engine" and first["args"]["request_rate"] == "inf"

@@ -1,4 +1,5 @@
 """ChunkCache: no sharing; chunked prefill keeps the request's own KV; finishing frees everything."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -6,6 +6,7 @@ shrinks through the captured sizes, batches above the largest size falling back 
 KV pool's accounting is untouched by padding. Everywhere: the capture sizes, the config checks, and
 the padded static-buffer path run eagerly (use_cuda_graph=False) through the triton backend's graph
 hooks, which on CPU runs in Triton's interpreter."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,8 +36,9 @@ def _workload(n: int) -> tuple[list[list[int]], list[dict]]:
     """n prompts of different lengths; request i stops after 3 + 2*i tokens, so a decode batch
     shrinks one request every other step (through sizes that need padding)."""
     prompts = [[5 + (13 * i + 7 * j) % 240 for j in range(9 + 11 * i)] for i in range(n)]
-    params = [{"temperature": 0, "max_new_tokens": 3 + 2 * i, "ignore_eos": True, "return_logprob": True}
-              for i in range(n)]
+    params = [
+        {"temperature": 0, "max_new_tokens": 3 + 2 * i, "ignore_eos": True, "return_logprob": True} for i in range(n)
+    ]
     return prompts, params
 
 
@@ -44,8 +46,9 @@ def _check_same(base: list[dict], other: list[dict], tol: float) -> None:
     assert [o["output_ids"] for o in other] == [o["output_ids"] for o in base]
     worst = 0.0
     for a, b in zip(base, other):
-        for (lp_a, _), (lp_b, _) in zip(a["meta_info"]["output_token_logprobs"],
-                                        b["meta_info"]["output_token_logprobs"]):
+        for (lp_a, _), (lp_b, _) in zip(
+            a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+        ):
             worst = max(worst, abs(lp_a - lp_b))
     assert worst <= tol, f"logprobs differ by up to {worst:.3g}"
 
@@ -79,9 +82,11 @@ def test_config_checks_and_cpu_builds_no_runner(checkpoint):
 
 def test_default_backend_hooks_refuse_graphs():
     backend = TorchNativeAttnBackend.__new__(TorchNativeAttnBackend)
-    for call in (lambda: backend.init_cuda_graph_state(8),
-                 lambda: backend.init_forward_metadata_capture_cuda_graph(None),
-                 lambda: backend.init_forward_metadata_replay_cuda_graph(None)):
+    for call in (
+        lambda: backend.init_cuda_graph_state(8),
+        lambda: backend.init_forward_metadata_capture_cuda_graph(None),
+        lambda: backend.init_forward_metadata_replay_cuda_graph(None),
+    ):
         with pytest.raises(NotImplementedError):
             call()
 
@@ -91,8 +96,15 @@ def test_padded_static_path_matches_eager_decode(checkpoint, page_size):
     """The graph path minus the capture: padding rows, static buffers, the triton backend's
     capture/replay hooks. Same tokens and logprobs as plain decode, and no slot leaks."""
     device = "cuda" if CUDA else "cpu"
-    kwargs = dict(model_path=str(checkpoint), device=device, dtype="float32", page_size=page_size,
-                  max_total_tokens=1024, attention_backend="triton", disable_cuda_graph=True)
+    kwargs = dict(
+        model_path=str(checkpoint),
+        device=device,
+        dtype="float32",
+        page_size=page_size,
+        max_total_tokens=1024,
+        attention_backend="triton",
+        disable_cuda_graph=True,
+    )
     prompts, params = _workload(5 if CUDA else 3)  # Triton's interpreter is slow: fewer steps on CPU
     base = Engine(**kwargs).generate(input_ids=prompts, sampling_params=params)
     engine = Engine(**kwargs)
@@ -110,8 +122,14 @@ def test_padded_static_path_matches_eager_decode(checkpoint, page_size):
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("num_reqs, max_bs", [(11, 16), (1, 16), (13, 4)])
 def test_cuda_graph_outputs_equal_eager(checkpoint, dtype, tol, page_size, num_reqs, max_bs):
-    kwargs = dict(model_path=str(checkpoint), device="cuda", dtype=dtype, page_size=page_size,
-                  max_total_tokens=4096, attention_backend="triton")
+    kwargs = dict(
+        model_path=str(checkpoint),
+        device="cuda",
+        dtype=dtype,
+        page_size=page_size,
+        max_total_tokens=4096,
+        attention_backend="triton",
+    )
     prompts, params = _workload(num_reqs)
     eager = Engine(**kwargs, disable_cuda_graph=True)
     assert eager.model_runner.cuda_graph_runner is None
@@ -134,8 +152,15 @@ def test_cuda_graph_outputs_equal_eager(checkpoint, dtype, tol, page_size, num_r
 @NO_CUDA
 def test_cuda_graph_padding_writes_only_the_reserved_page(checkpoint):
     """Every KV slot outside page 0 that no real token was given stays exactly as it was."""
-    engine = Engine(model_path=str(checkpoint), device="cuda", dtype="float32", page_size=16,
-                    max_total_tokens=2048, attention_backend="triton", cuda_graph_max_bs=16)
+    engine = Engine(
+        model_path=str(checkpoint),
+        device="cuda",
+        dtype="float32",
+        page_size=16,
+        max_total_tokens=2048,
+        attention_backend="triton",
+        cuda_graph_max_bs=16,
+    )
     runner, pool = engine.model_runner, engine.token_to_kv_pool
     written: list[torch.Tensor] = []  # the slots of every real token of every forward
     build = runner.build_forward_batch
@@ -162,8 +187,7 @@ def test_cuda_graph_padding_writes_only_the_reserved_page(checkpoint):
 
 @NO_CUDA
 def test_torch_native_on_cuda_runs_without_graphs(checkpoint):
-    engine = Engine(model_path=str(checkpoint), device="cuda", max_total_tokens=1024,
-                    attention_backend="torch_native")
+    engine = Engine(model_path=str(checkpoint), device="cuda", max_total_tokens=1024, attention_backend="torch_native")
     assert engine.model_runner.cuda_graph_runner is None
     prompts, params = _workload(3)
     assert len(engine.generate(input_ids=prompts, sampling_params=params)) == 3

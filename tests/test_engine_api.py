@@ -1,5 +1,6 @@
 """The Engine's user-facing API on the embedded model: input forms, step-wise control, bad input,
 abort, stop strings, seeds, logprobs, and that memory is back at idle after every request."""
+
 from __future__ import annotations
 
 import pytest
@@ -47,15 +48,18 @@ def test_text_ids_and_messages_give_the_same_answer(engine):
     assert_idle(engine)
 
 
-@pytest.mark.parametrize("params, match", [
-    ({"max_new_tokens": 0}, "max_new_tokens"),
-    ({"max_new_tokens": -3}, "max_new_tokens"),
-    ({"temperature": -0.5}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"no_such_param": 1}, "no_such_param"),
-])
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": -3}, "max_new_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"no_such_param": 1}, "no_such_param"),
+    ],
+)
 def test_bad_sampling_params_raise_value_error_and_engine_stays_usable(engine, params, match):
     with pytest.raises(ValueError, match=match):
         engine.generate(messages=CHAT, sampling_params=params)
@@ -82,8 +86,9 @@ def test_prompt_longer_than_context_is_rejected():
     small = Engine(max_total_tokens=1024, context_length=64)
     with pytest.raises(ValueError, match="context length"):
         small.generate(input_ids=list(range(100)))
-    out = small.generate(input_ids=list(range(10, 60)), sampling_params={"temperature": 0, "max_new_tokens": 100,
-                                                                       "ignore_eos": True})
+    out = small.generate(
+        input_ids=list(range(10, 60)), sampling_params={"temperature": 0, "max_new_tokens": 100, "ignore_eos": True}
+    )
     assert out["meta_info"]["finish_reason"]["type"] == "length"
     assert out["meta_info"]["prompt_tokens"] + out["meta_info"]["completion_tokens"] == 64
 
@@ -97,8 +102,9 @@ def test_unknown_policy_and_option_raise_value_error():
 
 def test_step_reports_prefill_then_decode_and_pieces_make_the_text(engine):
     a = engine.add_request(messages=CHAT, sampling_params=GREEDY)
-    b = engine.add_request("Once upon a time", sampling_params={"temperature": 0, "max_new_tokens": 5,
-                                                                 "ignore_eos": True})
+    b = engine.add_request(
+        "Once upon a time", sampling_params={"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
+    )
     first = engine.step()
     assert first.forward_mode == "EXTEND" and first.rids == [a, b]
     assert set(first.new_tokens) == {a, b}
@@ -119,8 +125,9 @@ def test_step_reports_prefill_then_decode_and_pieces_make_the_text(engine):
 
 
 def test_abort_returns_memory(engine):
-    rid = engine.add_request("Tell me a long story about dragons.", sampling_params={"max_new_tokens": 200,
-                                                                                    "ignore_eos": True})
+    rid = engine.add_request(
+        "Tell me a long story about dragons.", sampling_params={"max_new_tokens": 200, "ignore_eos": True}
+    )
     engine.step()
     engine.step()
     assert engine.abort(rid)
@@ -158,8 +165,10 @@ def test_stop_token_ids_and_min_new_tokens(engine):
 def test_seeded_sampling_is_reproducible_in_any_batch(engine):
     params = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 12, "seed": 1234, "ignore_eos": True}
     alone = engine.generate("The weather today is", params)["output_ids"]
-    crowd = engine.generate(["Something else entirely", "The weather today is", "A third prompt"],
-                            [{"max_new_tokens": 7}, params, {"temperature": 0.7, "max_new_tokens": 12}])
+    crowd = engine.generate(
+        ["Something else entirely", "The weather today is", "A third prompt"],
+        [{"max_new_tokens": 7}, params, {"temperature": 0.7, "max_new_tokens": 12}],
+    )
     assert crowd[1]["output_ids"] == alone
     other_seed = engine.generate("The weather today is", {**params, "seed": 99})["output_ids"]
     assert other_seed != alone

@@ -2,6 +2,7 @@
 random weights, teacher-forced: every generated token's logprob equals transformers' at that
 position, and is its argmax up to ties. Checks prefill, chunked prefill, decode and the radix cache
 through the real Engine without depending on exact greedy ties of random weights."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,8 +15,11 @@ from labkit import Engine
 from labkit.model_loader.loader import CONFIGS_DIR
 
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-DEVICE_BACKENDS = [("cpu", "torch_native"), pytest.param("cuda", "torch_native", marks=NO_CUDA),
-                   pytest.param("cuda", "triton", marks=NO_CUDA)]
+DEVICE_BACKENDS = [
+    ("cpu", "torch_native"),
+    pytest.param("cuda", "torch_native", marks=NO_CUDA),
+    pytest.param("cuda", "triton", marks=NO_CUDA),
+]
 PROMPTS = [[5 + (7 * i + j) % 240 for j in range(n)] for i, n in enumerate((9, 70, 33, 70))]
 
 
@@ -33,8 +37,15 @@ def checkpoint(request, tmp_path_factory):
 @pytest.mark.parametrize("device, backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_engine_logprobs_match_transformers(checkpoint, device, backend, page_size):
-    engine = Engine(model_path=str(checkpoint), device=device, dtype="float32", page_size=page_size,
-                    chunked_prefill_size=32, max_total_tokens=2048, attention_backend=backend)
+    engine = Engine(
+        model_path=str(checkpoint),
+        device=device,
+        dtype="float32",
+        page_size=page_size,
+        chunked_prefill_size=32,
+        max_total_tokens=2048,
+        attention_backend=backend,
+    )
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True, "return_logprob": True}
     first = engine.generate(input_ids=PROMPTS, sampling_params=params)
     again = engine.generate(input_ids=PROMPTS, sampling_params=params)
@@ -54,14 +65,23 @@ FLASHINFER = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, 
 
 
 @NO_CUDA
-@pytest.mark.parametrize("backend, graphs", [("triton", True), ("triton", False), ("torch_native", False),
-                                             pytest.param("flashinfer", False, marks=FLASHINFER)])
+@pytest.mark.parametrize(
+    "backend, graphs",
+    [("triton", True), ("triton", False), ("torch_native", False), pytest.param("flashinfer", False, marks=FLASHINFER)],
+)
 def test_bfloat16_logprobs_are_within_bfloat16_noise_of_transformers(checkpoint, backend, graphs):
     """The CUDA defaults (bfloat16, fused Triton layer kernels, CUDA graphs, overlap scheduling) against
     transformers' bfloat16 forward of the same weights, teacher-forced on labkit's tokens."""
-    engine = Engine(model_path=str(checkpoint), device="cuda", dtype="bfloat16", page_size=16,
-                    chunked_prefill_size=32, max_total_tokens=4096, attention_backend=backend,
-                    disable_cuda_graph=not graphs)
+    engine = Engine(
+        model_path=str(checkpoint),
+        device="cuda",
+        dtype="bfloat16",
+        page_size=16,
+        chunked_prefill_size=32,
+        max_total_tokens=4096,
+        attention_backend=backend,
+        disable_cuda_graph=not graphs,
+    )
     params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True, "return_logprob": True}
     outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to("cuda").eval()
@@ -94,15 +114,17 @@ def test_cuda_defaults_to_bfloat16_triton_and_serves_with_cache():
 def test_generation_config_eos_ids_stop_generation(checkpoint):
     """An id listed only in generation_config.json (as Llama-3-Instruct's end of turn) stops a request."""
     params = {"temperature": 0, "max_new_tokens": 8}
-    free = Engine(model_path=str(checkpoint), max_total_tokens=1024).generate(input_ids=PROMPTS[1],
-                                                                               sampling_params=params)
+    free = Engine(model_path=str(checkpoint), max_total_tokens=1024).generate(
+        input_ids=PROMPTS[1], sampling_params=params
+    )
     stop_at = free["output_ids"][3]
     gen_config = checkpoint / "generation_config.json"
     saved = gen_config.read_text()
     gen_config.write_text(f'{{"eos_token_id": [{stop_at}]}}')
     try:
-        out = Engine(model_path=str(checkpoint), max_total_tokens=1024).generate(input_ids=PROMPTS[1],
-                                                                                  sampling_params=params)
+        out = Engine(model_path=str(checkpoint), max_total_tokens=1024).generate(
+            input_ids=PROMPTS[1], sampling_params=params
+        )
     finally:
         gen_config.write_text(saved)
     cut = free["output_ids"].index(stop_at) + 1
@@ -112,15 +134,17 @@ def test_generation_config_eos_ids_stop_generation(checkpoint):
 
 VARIANTS = {  # name -> engine options, each against torch_native (eager, no overlap)
     "triton": {"attention_backend": "triton"},
-    "triton, no graphs, no overlap": {"attention_backend": "triton", "disable_cuda_graph": True,
-                                      "disable_overlap_schedule": True},
+    "triton, no graphs, no overlap": {
+        "attention_backend": "triton",
+        "disable_cuda_graph": True,
+        "disable_overlap_schedule": True,
+    },
     "flashinfer": {"attention_backend": "flashinfer"},
 }
 
 
 @NO_CUDA
-@pytest.mark.parametrize("variant", [v if v != "flashinfer" else pytest.param(v, marks=FLASHINFER)
-                                     for v in VARIANTS])
+@pytest.mark.parametrize("variant", [v if v != "flashinfer" else pytest.param(v, marks=FLASHINFER) for v in VARIANTS])
 def test_cuda_backends_agree_on_greedy_outputs_in_bfloat16(checkpoint, variant):
     """Same requests and weights through torch_native and another backend in bfloat16. Kernels that
     round differently may pick a different token only where the top two are within bf16 noise: every
@@ -129,13 +153,15 @@ def test_cuda_backends_agree_on_greedy_outputs_in_bfloat16(checkpoint, variant):
     several at exact bf16 ties; test_bfloat16_logprobs_are_within_bfloat16_noise_of_transformers
     bounds the logprobs themselves.)"""
     prompts = [[5 + (37 * i + 11 * j) % 240 for j in range(30 + 17 * i)] for i in range(12)]
-    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True, "return_logprob": True,
-              "top_logprobs_num": 2}
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True, "return_logprob": True, "top_logprobs_num": 2}
     outs = {}
-    for name, options in (("torch_native", {"attention_backend": "torch_native",
-                                            "disable_overlap_schedule": True}), (variant, VARIANTS[variant])):
-        engine = Engine(model_path=str(checkpoint), device="cuda", dtype="bfloat16", page_size=16,
-                        max_total_tokens=4096, **options)
+    for name, options in (
+        ("torch_native", {"attention_backend": "torch_native", "disable_overlap_schedule": True}),
+        (variant, VARIANTS[variant]),
+    ):
+        engine = Engine(
+            model_path=str(checkpoint), device="cuda", dtype="bfloat16", page_size=16, max_total_tokens=4096, **options
+        )
         outs[name] = engine.generate(input_ids=prompts, sampling_params=params)
     gaps = []
     for ref, other in zip(outs["torch_native"], outs[variant]):
@@ -158,8 +184,10 @@ def test_embedded_model_answers_the_chat_prompts_on_cuda(embedded_dir):
     engine = Engine(model_path=str(embedded_dir))
     assert engine.model_runner.device.type == "cuda" and engine.scheduler.overlap
     questions = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
-    outs = engine.generate(messages=[[{"role": "user", "content": q}] for q in questions],
-                           sampling_params={"temperature": 0, "max_new_tokens": 96})
+    outs = engine.generate(
+        messages=[[{"role": "user", "content": q}] for q in questions],
+        sampling_params={"temperature": 0, "max_new_tokens": 96},
+    )
     for q, o in zip(questions, outs):
         print(f"{q!r} -> {o['text']!r}")
     assert "Paris" in outs[0]["text"]

@@ -1,6 +1,7 @@
 """Greedy outputs of the Engine on the embedded model equal transformers' `generate` on the same
 weights: 8 prompts of mixed lengths submitted together, under chunked prefill, page sizes 1 and 16,
 every policy, mixed batches, the radix cache on and off, and a second run that hits the cache."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,9 +11,11 @@ from labkit import Engine
 from labkit.scheduler.schedule_policy import POLICIES
 
 NEW_TOKENS = 32
-LONG_SYSTEM = ("You are a meticulous assistant for a public library. Answer politely, cite the shelf "
-               "section when you recommend a book, and keep every answer short. The library opens at "
-               "nine, closes at six, and lends at most five books per visitor for three weeks. ") * 3
+LONG_SYSTEM = (
+    "You are a meticulous assistant for a public library. Answer politely, cite the shelf "
+    "section when you recommend a book, and keep every answer short. The library opens at "
+    "nine, closes at six, and lends at most five books per visitor for three weeks. "
+) * 3
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
     [{"role": "user", "content": "Write a short poem about the sea and the wind."}],
@@ -20,8 +23,11 @@ CONVERSATIONS = [
     [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "Recommend a novel about space."}],
     [{"role": "user", "content": "List five fruits that are red, and say one thing about each of them."}],
     [{"role": "user", "content": "Explain in simple words how a bicycle stays upright while moving. " * 3}],
-    [{"role": "user", "content": "What is 12 times 7?"}, {"role": "assistant", "content": "84."},
-     {"role": "user", "content": "And divided by 4?"}],
+    [
+        {"role": "user", "content": "What is 12 times 7?"},
+        {"role": "assistant", "content": "84."},
+        {"role": "user", "content": "And divided by 4?"},
+    ],
     [{"role": "user", "content": "Translate to French: the cat sleeps on the warm windowsill all afternoon."}],
 ]
 GREEDY = {"temperature": 0, "max_new_tokens": NEW_TOKENS}
@@ -40,9 +46,13 @@ def reference(hf_model, hf_tokenizer):
     for messages in CONVERSATIONS:
         ids = prompt_ids(hf_tokenizer, messages)
         with torch.no_grad():
-            gen = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                    attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        new = gen[0, len(ids):].tolist()
+            gen = hf_model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            )
+        new = gen[0, len(ids) :].tolist()
         if eos in new:
             new = new[: new.index(eos) + 1]
         outs.append(new)
@@ -86,8 +96,13 @@ def test_every_policy_matches_hf(policy, reference):
 
 
 def test_mixed_batches_and_no_radix_cache_match_hf(reference):
-    engine = Engine(chunked_prefill_size=64, enable_mixed_chunk=True, disable_radix_cache=True,
-                    max_running_requests=4, max_total_tokens=8192)
+    engine = Engine(
+        chunked_prefill_size=64,
+        enable_mixed_chunk=True,
+        disable_radix_cache=True,
+        max_running_requests=4,
+        max_total_tokens=8192,
+    )
     outs = run(engine)
     assert_same(outs, reference)
     assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)

@@ -1,5 +1,6 @@
 """A traced run of the real engine yields per-request station records (3, 5-9), per-step records
 whose pool categories add up, radix-tree events, and Perfetto JSON with the required fields."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,10 @@ SYSTEM = {"role": "system", "content": "You are a terse assistant. Answer in one
 def traced():
     engine = Engine(enable_trace=True, max_total_tokens=2048, chunked_prefill_size=32)
     questions = ["What is two plus two?", "Name a colour.", "What is the capital of Italy?"]
-    outs = engine.generate(messages=[[SYSTEM, {"role": "user", "content": q}] for q in questions],
-                           sampling_params={"temperature": 0, "max_new_tokens": 8})
+    outs = engine.generate(
+        messages=[[SYSTEM, {"role": "user", "content": q}] for q in questions],
+        sampling_params={"temperature": 0, "max_new_tokens": 8},
+    )
     return engine, outs
 
 
@@ -26,15 +29,23 @@ def test_every_request_passes_stations_3_and_5_to_9(traced):
     for out in outs:
         events = engine.tracer.for_request(out["meta_info"]["id"])
         seen = {e.station for e in events}
-        assert {Station.TOKENIZE, Station.ENQUEUE, Station.BATCH, Station.FORWARD, Station.SAMPLE,
-                Station.DETOKENIZE} <= seen
+        assert {
+            Station.TOKENIZE,
+            Station.ENQUEUE,
+            Station.BATCH,
+            Station.FORWARD,
+            Station.SAMPLE,
+            Station.DETOKENIZE,
+        } <= seen
         sampled = [e.detail["token"] for e in events if e.station == Station.SAMPLE and not e.detail["discarded"]]
         assert sampled == out["output_ids"]
         pieces = "".join(e.detail["piece"] for e in events if e.station == Station.DETOKENIZE)
         assert pieces == out["text"]
         forward = [e for e in events if e.station == Station.FORWARD]
-        assert sum(len(e.detail["input_ids"]) for e in forward) >= out["meta_info"]["prompt_tokens"] - \
-            out["meta_info"]["cached_tokens"]
+        assert (
+            sum(len(e.detail["input_ids"]) for e in forward)
+            >= out["meta_info"]["prompt_tokens"] - out["meta_info"]["cached_tokens"]
+        )
         assert all(e.end >= e.start for e in events)
 
 

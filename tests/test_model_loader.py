@@ -1,4 +1,5 @@
 """Model loading: the embedded GGUF-converted model, dummy weights, the architecture registry."""
+
 from __future__ import annotations
 
 import json
@@ -7,10 +8,9 @@ import pytest
 import torch
 
 from labkit.model_executor.forward_batch import ForwardMode
-from labkit.model_loader import load_config, load_model, load_tokenizer
 from labkit.model_loader import embedded as embedded_mod
+from labkit.model_loader import load_config, load_model, load_tokenizer
 from labkit.models.registry import get_model_class
-
 
 
 @pytest.mark.slow
@@ -20,11 +20,15 @@ def test_embedded_matches_transformers(embedded_dir, hf_model, hf_tokenizer, pag
     assert type(model).__name__ == "LlamaForCausalLM" and config.num_hidden_layers == 30
     assert load_tokenizer(embedded_dir).chat_template
     ids = hf_tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True,
-        tokenize=True, return_dict=False)
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     ids = torch.tensor(list(ids), dtype=torch.int64)
-    h = paged_kv_harness(config.num_hidden_layers, config.num_attention_heads,
-                         config.num_key_value_heads, config.head_dim, page_size=1)
+    h = paged_kv_harness(
+        config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.head_dim, page_size=1
+    )
     req = h.new_req()
     with torch.inference_mode():
         fb = h.batch(ForwardMode.EXTEND, [(req, len(ids))], ids)
@@ -56,8 +60,14 @@ def test_dummy_config_as_json_file_and_directory(tmp_path, paged_kv_harness):
     for source in (tmp_path / "cfg.json", tmp_path / "dir"):
         model, config = load_model(str(source), "dummy", torch.bfloat16, "cpu")
         assert next(model.parameters()).dtype == torch.bfloat16
-        h = paged_kv_harness(config.num_hidden_layers, config.num_attention_heads,
-                             config.num_key_value_heads, config.head_dim, 1, dtype=torch.bfloat16)
+        h = paged_kv_harness(
+            config.num_hidden_layers,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            1,
+            dtype=torch.bfloat16,
+        )
         reqs = [h.new_req(), h.new_req()]
         with torch.inference_mode():
             fb = h.batch(ForwardMode.EXTEND, [(reqs[0], 5), (reqs[1], 3)], torch.arange(8))

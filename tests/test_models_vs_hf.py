@@ -1,4 +1,5 @@
 """labkit models (paged KV, torch_native backend) vs transformers on the full sequence, float32."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,14 +9,23 @@ from transformers import AutoModelForCausalLM
 from labkit.model_executor.forward_batch import ForwardMode
 from labkit.model_loader import load_config, load_model
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 CASES = [  # (data config, tie_word_embeddings, rope override)
-    ("tiny-llama", True, None), ("tiny-llama", False, None), ("tiny-llama", False, LLAMA3_ROPE),
-    ("tiny-qwen2", False, None), ("tiny-qwen2", True, None),
-    ("tiny-qwen3", True, None), ("tiny-qwen3", False, None),
+    ("tiny-llama", True, None),
+    ("tiny-llama", False, None),
+    ("tiny-llama", False, LLAMA3_ROPE),
+    ("tiny-qwen2", False, None),
+    ("tiny-qwen2", True, None),
+    ("tiny-qwen3", True, None),
+    ("tiny-qwen3", False, None),
 ]
-
 
 
 def _hf_checkpoint(name: str, tie: bool, rope: dict | None, path) -> torch.nn.Module:
@@ -46,8 +56,9 @@ def test_matches_hf(checkpoint, page_size, paged_kv_harness):
     hf, path, tie = checkpoint
     model, config = load_model(str(path), "auto", torch.float32, "cpu")
     assert model.tie_word_embeddings == tie
-    h = paged_kv_harness(config.num_hidden_layers, config.num_attention_heads,
-                         config.num_key_value_heads, config.head_dim, page_size)
+    h = paged_kv_harness(
+        config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.head_dim, page_size
+    )
 
     gen = torch.Generator().manual_seed(2)
     seqs: dict[int, torch.Tensor] = {}  # req -> its full token sequence
@@ -78,7 +89,7 @@ def test_matches_hf(checkpoint, page_size, paged_kv_harness):
                 continue
             items = [(names.get(r, r), n) for r, n in items]
             ends = [h.lens[r] + n for r, n in items]
-            ids = torch.cat([seqs[r][h.lens[r]:end] for (r, _), end in zip(items, ends)])
+            ids = torch.cat([seqs[r][h.lens[r] : end] for (r, _), end in zip(items, ends)])
             fb = h.batch(mode, items, ids)
             fb.attn_backend.init_forward_metadata(fb)
             logits = model(fb.input_ids, fb.positions, fb)

@@ -5,6 +5,7 @@ The kernel gets OMP_NUM_THREADS=1 unless the caller sets it: on a small shared C
 worker threads spin-wait while other processes hold the cores, which made the same notebook cell
 many times slower with 2 threads than with 1 on a 2-core machine.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,14 @@ def kernel_spec_dir(tmp_path_factory):
 
 def test_the_teaching_notebooks_are_there():
     names = {p.stem for p in NOTEBOOKS}
-    assert {"01_request_journey", "02_radix_cache", "03_continuous_batching", "04_paged_memory",
-            "05_scheduling_policies", "06_serving"} <= names
+    assert {
+        "01_request_journey",
+        "02_radix_cache",
+        "03_continuous_batching",
+        "04_paged_memory",
+        "05_scheduling_policies",
+        "06_serving",
+    } <= names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -64,8 +71,9 @@ def test_notebook_runs_top_to_bottom(path, kernel_spec_dir):
     nb = nbformat.read(path, as_version=4)
     specs = KernelSpecManager(kernel_dirs=[str(kernel_spec_dir)])
     km = KernelManager(kernel_name="labkit-test", kernel_spec_manager=specs)
-    client = nbclient.NotebookClient(nb, km=km, timeout=CELL_TIMEOUT, allow_errors=False,
-                                     resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
+    client = nbclient.NotebookClient(
+        nb, km=km, timeout=CELL_TIMEOUT, allow_errors=False, resources={"metadata": {"path": str(NOTEBOOK_DIR)}}
+    )
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     start = time.perf_counter()

@@ -2,6 +2,7 @@
 batch's tokens one step later, and returns all memory. On CPU it runs with overlap_schedule_on_cpu
 (the forward is synchronous there, so only the bookkeeping is exercised); on CUDA, where it is the
 default, the same tests run the real thing, and a decode step is checked never to wait for the GPU."""
+
 from __future__ import annotations
 
 import random
@@ -17,8 +18,9 @@ def make_engine(overlap: bool, **kw) -> Engine:
     kw.setdefault("load_format", "dummy")
     # float32: batches differ between the two modes (a finished request rides one more step), and
     # bfloat16 would let that flip near-tied greedy choices on a GPU.
-    return Engine(overlap_schedule_on_cpu=overlap, disable_overlap_schedule=not overlap, dtype="float32",
-                  enable_trace=True, **kw)
+    return Engine(
+        overlap_schedule_on_cpu=overlap, disable_overlap_schedule=not overlap, dtype="float32", enable_trace=True, **kw
+    )
 
 
 def random_requests(seed: int, n: int) -> tuple[list[list[int]], list[dict]]:
@@ -50,18 +52,27 @@ def assert_all_memory_back(engine: Engine) -> None:
     assert engine.req_to_token_pool.available_size() == engine.req_to_token_pool.size
 
 
-@pytest.mark.parametrize("page_size, radix, mixed, pool", [
-    (1, True, False, 4096),
-    (4, True, True, 4096),
-    (1, False, True, 4096),
-    (1, True, False, 200),  # small pools: eviction and retraction while a batch is in flight
-    (8, True, True, 256),
-])
+@pytest.mark.parametrize(
+    "page_size, radix, mixed, pool",
+    [
+        (1, True, False, 4096),
+        (4, True, True, 4096),
+        (1, False, True, 4096),
+        (1, True, False, 200),  # small pools: eviction and retraction while a batch is in flight
+        (8, True, True, 256),
+    ],
+)
 def test_overlap_gives_the_same_outputs(page_size, radix, mixed, pool):
     prompts, params = random_requests(page_size + pool, 16)
-    kw = dict(page_size=page_size, disable_radix_cache=not radix, enable_mixed_chunk=mixed,
-              max_total_tokens=pool, chunked_prefill_size=32, max_running_requests=8,
-              schedule_conservativeness=0.05 if pool < 1000 else 1.0)
+    kw = dict(
+        page_size=page_size,
+        disable_radix_cache=not radix,
+        enable_mixed_chunk=mixed,
+        max_total_tokens=pool,
+        chunked_prefill_size=32,
+        max_running_requests=8,
+        schedule_conservativeness=0.05 if pool < 1000 else 1.0,
+    )
     plain = make_engine(False, **kw)
     overlapped = make_engine(True, **kw)
     assert overlapped.scheduler.overlap and not plain.scheduler.overlap
@@ -90,8 +101,10 @@ def test_overlap_reports_a_batch_one_step_later():
 
 def test_abort_while_a_batch_is_in_flight_returns_everything():
     engine = make_engine(True, max_total_tokens=512)
-    rids = [engine.add_request(input_ids=[3 + i] * 20, sampling_params={"max_new_tokens": 50, "ignore_eos": True})
-            for i in range(4)]
+    rids = [
+        engine.add_request(input_ids=[3 + i] * 20, sampling_params={"max_new_tokens": 50, "ignore_eos": True})
+        for i in range(4)
+    ]
     for _ in range(5):
         engine.step()
     assert engine.scheduler.in_flight is not None

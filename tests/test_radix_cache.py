@@ -1,5 +1,6 @@
 """RadixCache: named behaviours, and a stateful property test of the whole request protocol against
 the allocator and the request pool (every KV slot accounted for exactly once after every step)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -32,7 +33,9 @@ class FakeReq:
         return self.origin_input_ids + self.output_ids
 
 
-def make(page: int = 1, size: int = 64, on_event: Any = None) -> tuple[RadixCache, TokenToKVPoolAllocator, ReqToTokenPool]:
+def make(
+    page: int = 1, size: int = 64, on_event: Any = None
+) -> tuple[RadixCache, TokenToKVPoolAllocator, ReqToTokenPool]:
     alloc = TokenToKVPoolAllocator(size, page)
     pool = ReqToTokenPool(8, 64)
     return RadixCache(pool, alloc, page, on_event=on_event), alloc, pool
@@ -68,6 +71,7 @@ def _path_values(node: TreeNode) -> list[int]:
 
 
 # ---- named behaviours ----
+
 
 def test_split_on_partial_match() -> None:
     cache, alloc, _ = make()
@@ -191,8 +195,12 @@ def test_cache_finished_frees_duplicates() -> None:
 # ---- stateful property test ----
 
 PREFIXES = [[], [0] * 8, [0, 1] * 4, [1, 1, 0, 0, 2, 2, 1, 0]]
-prompts = st.builds(lambda p, k, tail: p[:k] + tail, st.sampled_from(PREFIXES), st.integers(0, 8),
-                    st.lists(st.integers(0, 2), min_size=1, max_size=12))
+prompts = st.builds(
+    lambda p, k, tail: p[:k] + tail,
+    st.sampled_from(PREFIXES),
+    st.integers(0, 8),
+    st.lists(st.integers(0, 2), min_size=1, max_size=12),
+)
 
 
 class RadixMachine(RuleBasedStateMachine):
@@ -215,10 +223,10 @@ class RadixMachine(RuleBasedStateMachine):
     # helpers
 
     def _record(self, req: FakeReq, start: int, slots: torch.Tensor) -> None:
-        self.pool.req_to_token[req.req_pool_idx, start:start + slots.numel()] = slots
+        self.pool.req_to_token[req.req_pool_idx, start : start + slots.numel()] = slots
         ids = req.ids
         for j, s in enumerate(slots.tolist(), start):
-            self.content[s] = tuple(ids[:j + 1])
+            self.content[s] = tuple(ids[: j + 1])
 
     def _retry(self, fn: Any, need: int) -> torch.Tensor | None:
         assert self.cache is not None
@@ -243,7 +251,7 @@ class RadixMachine(RuleBasedStateMachine):
     def _check_match_content(self, key: list[int], slots: torch.Tensor) -> None:
         assert slots.numel() % self.page == 0
         for j, s in enumerate(slots.tolist()):
-            assert self.content[s] == tuple(key[:j + 1]), "cached KV slot holds another prefix"
+            assert self.content[s] == tuple(key[: j + 1]), "cached KV slot holds another prefix"
 
     # rules
 
@@ -257,9 +265,10 @@ class RadixMachine(RuleBasedStateMachine):
         m = self.cache.match_prefix(prompt)
         self._check_match_content(prompt, m.device_indices)
         self.cache.inc_lock_ref(m.last_node)
-        req = FakeReq(slot[0], prompt, kv_len=m.device_indices.numel(), prefix_indices=m.device_indices,
-                      last_node=m.last_node)
-        self.pool.req_to_token[slot[0], :req.kv_len] = m.device_indices
+        req = FakeReq(
+            slot[0], prompt, kv_len=m.device_indices.numel(), prefix_indices=m.device_indices, last_node=m.last_node
+        )
+        self.pool.req_to_token[slot[0], : req.kv_len] = m.device_indices
         self.live.append(req)
         if not self._extend(req, chunk, data):
             self.live.pop()
@@ -273,7 +282,7 @@ class RadixMachine(RuleBasedStateMachine):
         req = data.draw(st.sampled_from(self.live))
         if self._extend(req, n, data) and unfinished:
             self.cache.cache_unfinished_req(req)
-            assert req.prefix_indices.tolist() == self.pool.req_to_token[req.req_pool_idx, :req.kv_len].tolist()
+            assert req.prefix_indices.tolist() == self.pool.req_to_token[req.req_pool_idx, : req.kv_len].tolist()
 
     @precondition(lambda self: self.cache is not None and bool(self.live))
     @rule(data=st.data())
@@ -361,15 +370,15 @@ class RadixMachine(RuleBasedStateMachine):
         for n in self.cache.nodes():
             owners += (n.value[::P] // P).tolist()
             for j, s in enumerate(n.value.tolist(), len(paths[n.id]) - len(n.key)):
-                assert self.content[s] == tuple(paths[n.id][:j + 1])
+                assert self.content[s] == tuple(paths[n.id][: j + 1])
         for r in self.live:
-            row = self.pool.req_to_token[r.req_pool_idx, :r.kv_len]
+            row = self.pool.req_to_token[r.req_pool_idx, : r.kv_len]
             shared = len(_path(r.last_node))
             assert _path_values(r.last_node) == row[:shared].tolist()
-            assert r.prefix_indices.tolist() == row[:r.prefix_indices.numel()].tolist()
+            assert r.prefix_indices.tolist() == row[: r.prefix_indices.numel()].tolist()
             owners += sorted({s // P for s in row[shared:].tolist()})
             for j, s in enumerate(row.tolist()):
-                assert self.content[s] == tuple(r.ids[:j + 1])
+                assert self.content[s] == tuple(r.ids[: j + 1])
         assert sorted(owners) == list(range(1, self.alloc.num_pages + 1)), "a KV page is lost or held twice"
 
     def teardown(self) -> None:
@@ -384,6 +393,7 @@ class RadixMachine(RuleBasedStateMachine):
         assert self.cache.total_size() == 0 and len(list(self.cache.nodes())) == 1
 
 
-RadixMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
-                                          suppress_health_check=[HealthCheck.too_slow])
+RadixMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 test_radix_machine = RadixMachine.TestCase

@@ -30,6 +30,7 @@ def rand_logits(bs: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
 
 # ---- references: one row at a time, written the obvious way ----
 
+
 def ref_filter(row: torch.Tensor, t: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     probs = torch.softmax(row / t, dim=-1)
     keep = torch.ones_like(probs, dtype=torch.bool)
@@ -101,8 +102,10 @@ def test_half_precision_logits_sample_as_their_float32_upcast():
     greedy = make_info([SamplingParams(temperature=0)] * 4)
     out = Sampler()(logits, greedy)
     assert torch.equal(out.next_token_ids, logits.float().argmax(-1)) and out.next_token_ids[0] == 7
-    reqs = [FakeReq(SamplingParams(temperature=0, return_logprob=True, presence_penalty=1.0), [], [7]),
-            FakeReq(SamplingParams(temperature=0.8, top_k=5, return_logprob=True))] * 2
+    reqs = [
+        FakeReq(SamplingParams(temperature=0, return_logprob=True, presence_penalty=1.0), [], [7]),
+        FakeReq(SamplingParams(temperature=0.8, top_k=5, return_logprob=True)),
+    ] * 2
     half = Sampler(seed=3)(logits, make_info([], reqs))
     full = Sampler(seed=3)(logits.float(), make_info([], reqs))
     assert torch.equal(half.next_token_ids, full.next_token_ids)

@@ -64,9 +64,19 @@ def test_verify_rejects(kwargs, field):
 
 def test_verify_accepts_edges():
     SamplingParams(
-        max_new_tokens=1, min_new_tokens=1, temperature=0, top_p=1.0, top_k=10 * VOCAB, min_p=1.0,
-        frequency_penalty=-2, presence_penalty=2, repetition_penalty=0.5, stop=["a", "bc"],
-        stop_token_ids=[0, VOCAB - 1], top_logprobs_num=20, seed=-3,
+        max_new_tokens=1,
+        min_new_tokens=1,
+        temperature=0,
+        top_p=1.0,
+        top_k=10 * VOCAB,
+        min_p=1.0,
+        frequency_penalty=-2,
+        presence_penalty=2,
+        repetition_penalty=0.5,
+        stop=["a", "bc"],
+        stop_token_ids=[0, VOCAB - 1],
+        top_logprobs_num=20,
+        seed=-3,
     ).verify(VOCAB)
 
 

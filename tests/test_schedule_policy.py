@@ -1,4 +1,5 @@
 """Waiting-queue orders of the prefix-aware policies on a real radix tree."""
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,15 @@ def _queue_over_tree() -> tuple[list[Req], RadixCache]:
     cache = RadixCache(ReqToTokenPool(4, 64), TokenToKVPoolAllocator(256, 1), 1)
     for slot, prefix in ((1, [1, 2, 3, 4]), (5, [7, 8, 9, 10])):
         cache.insert(prefix, torch.arange(slot, slot + len(prefix)))  # KV slots: never freed here
-    prompts = {"none-0": [50, 51], "b-0": [7, 8, 9, 10, 20], "a-0": [1, 2, 3, 4, 30], "none-1": [60, 61],
-               "a-1": [1, 2, 3, 4, 31], "b-1": [7, 8, 9, 10, 21], "a-2": [1, 2, 3, 4, 32]}
+    prompts = {
+        "none-0": [50, 51],
+        "b-0": [7, 8, 9, 10, 20],
+        "a-0": [1, 2, 3, 4, 30],
+        "none-1": [60, 61],
+        "a-1": [1, 2, 3, 4, 31],
+        "b-1": [7, 8, 9, 10, 21],
+        "a-2": [1, 2, 3, 4, 32],
+    }
     waiting = [Req(rid, ids, SamplingParams()) for rid, ids in prompts.items()]
     for req in waiting:
         req.init_next_round_input(cache)

@@ -1,5 +1,6 @@
 """--enable-torch-compile: decode batches up to torch_compile_max_bs run the torch.compile'd model
 (attention excluded, see labkit/layers/attention.py) and give the same greedy tokens."""
+
 from __future__ import annotations
 
 import torch._dynamo

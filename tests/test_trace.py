@@ -1,4 +1,5 @@
 """Tracer recording, payload bounding and exports, on synthetic records."""
+
 from __future__ import annotations
 
 import json
@@ -176,10 +177,12 @@ def test_from_perfetto_reads_back_the_records(tmp_path):
     assert back.events[-1].detail["top"] == [[7, 0.9], [3, 0.1]]  # as JSON made it
     assert [s.pool for s in back.steps] == [s.pool for s in tr.steps]
     assert [s.blocked for s in back.steps] == [{"c": "token budget"}] * 2
-    assert [(t.kind, t.node_id, t.parent_id, t.tokens) for t in back.tree_events] == \
-        [(t.kind, t.node_id, t.parent_id, t.tokens) for t in tr.tree_events]
+    assert [(t.kind, t.node_id, t.parent_id, t.tokens) for t in back.tree_events] == [
+        (t.kind, t.node_id, t.parent_id, t.tokens) for t in tr.tree_events
+    ]
     # Exported again, it is the same trace (up to float noise in the microseconds).
     again, first = back.to_perfetto()["traceEvents"], json.loads(json.dumps(tr.to_perfetto()))["traceEvents"]
-    assert [{k: v for k, v in e.items() if k not in ("ts", "dur")} for e in again] == \
-        [{k: v for k, v in e.items() if k not in ("ts", "dur")} for e in first]
+    assert [{k: v for k, v in e.items() if k not in ("ts", "dur")} for e in again] == [
+        {k: v for k, v in e.items() if k not in ("ts", "dur")} for e in first
+    ]
     assert [e.get("ts") for e in again] == pytest.approx([e.get("ts") for e in first], abs=1e-3)

@@ -1,10 +1,12 @@
 """The attention backend interface. One backend instance serves all layers of one ModelRunner."""
+
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -59,14 +61,24 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-        forward_batch: ForwardBatch, save_kv_cache: bool = True,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
     ) -> torch.Tensor: ...
 
     @abstractmethod
     def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-        forward_batch: ForwardBatch, save_kv_cache: bool = True,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
     ) -> torch.Tensor: ...
 
     # ---- CUDA graphs (decode only). A backend that cannot be captured keeps these defaults, and the
@@ -104,8 +116,13 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-        forward_batch: ForwardBatch, save_kv_cache: bool = True,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
     ) -> torch.Tensor:
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
@@ -119,7 +136,7 @@ LAZY_BACKENDS = {"triton": "labkit.attention.triton_backend", "flashinfer": "lab
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """"auto" is triton on CUDA and torch_native elsewhere."""
+    """ "auto" is triton on CUDA and torch_native elsewhere."""
     if name == "auto":
         return "triton" if device.type == "cuda" else "torch_native"
     return name
@@ -133,8 +150,10 @@ def get_attention_backend(name: str) -> type[AttentionBackend]:
         except ImportError as e:
             raise ValueError(f"attention backend {name!r} needs a package that is missing: {e}") from None
     if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose auto or one of "
-                         f"{sorted(set(ATTENTION_BACKENDS) | set(LAZY_BACKENDS))}")
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose auto or one of "
+            f"{sorted(set(ATTENTION_BACKENDS) | set(LAZY_BACKENDS))}"
+        )
     return ATTENTION_BACKENDS[name]
 
 

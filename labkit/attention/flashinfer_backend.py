@@ -11,6 +11,7 @@ and MIXED (so the new K/V must be in the pool first: save_kv_cache=False is not 
 Planning writes the schedule into a page-locked host buffer that the device copies from later in
 stream order. With overlap scheduling the next forward is planned while the current one may not have
 started, so two sets of wrappers take turns. No CUDA graphs yet: decode runs eagerly here."""
+
 from __future__ import annotations
 
 import math
@@ -20,7 +21,10 @@ import flashinfer
 import torch
 
 from labkit.attention.base import (
-    AttentionBackend, AttentionBackendConfig, AttentionLayerSpec, register_attention_backend,
+    AttentionBackend,
+    AttentionBackendConfig,
+    AttentionLayerSpec,
+    register_attention_backend,
 )
 from labkit.kernels.kv_cache import store_kv
 
@@ -32,8 +36,7 @@ WORKSPACE_BYTES = 256 << 20  # FlashInfer's split-KV scratch (its docs recommend
 
 class _Wrappers:
     def __init__(self, workspace: torch.Tensor, use_tensor_cores: bool):
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_tensor_cores=use_tensor_cores)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=use_tensor_cores)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
 
 
@@ -60,13 +63,24 @@ class FlashInferAttnBackend(AttentionBackend):
         self._turn ^= 1
         common = dict(q_data_type=c.dtype, kv_data_type=c.dtype)
         if fb.forward_mode.is_decode():
-            wrappers.decode.plan(indptr, indices, last_page_len, c.num_heads, c.num_kv_heads, c.head_dim,
-                                 c.page_size, **common)
+            wrappers.decode.plan(
+                indptr, indices, last_page_len, c.num_heads, c.num_kv_heads, c.head_dim, c.page_size, **common
+            )
             self.wrapper = wrappers.decode
         else:
             qo_indptr = _indptr(fb.extend_seq_lens_cpu)
-            wrappers.prefill.plan(qo_indptr, indptr, indices, last_page_len, c.num_heads, c.num_kv_heads,
-                                  c.head_dim, c.page_size, causal=True, **common)
+            wrappers.prefill.plan(
+                qo_indptr,
+                indptr,
+                indices,
+                last_page_len,
+                c.num_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                c.page_size,
+                causal=True,
+                **common,
+            )
             self.wrapper = wrappers.prefill
 
     def _page_table(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,11 +104,18 @@ class FlashInferAttnBackend(AttentionBackend):
         shape = (-1, c.page_size, c.num_kv_heads, c.head_dim)
         return pool.get_key_buffer(layer.layer_id).view(shape), pool.get_value_buffer(layer.layer_id).view(shape)
 
-    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-             fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
+    def _run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        fb: ForwardBatch,
+        save_kv_cache: bool,
+    ) -> torch.Tensor:
         if not save_kv_cache:
             raise NotImplementedError("the flashinfer backend reads the new tokens' K/V from the pool")
-        if not math.isclose(layer.scaling, layer.head_dim ** -0.5):
+        if not math.isclose(layer.scaling, layer.head_dim**-0.5):
             raise NotImplementedError("the flashinfer backend is planned with the default 1/sqrt(head_dim) scale")
         assert self.wrapper is not None, "init_forward_metadata was not called for this batch"
         pool = fb.token_to_kv_pool
@@ -102,12 +123,26 @@ class FlashInferAttnBackend(AttentionBackend):
         out = self.wrapper.run(q.contiguous(), self._paged_kv(fb, layer))
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
 
-    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         return self._run(q, k, v, layer, forward_batch, save_kv_cache)
 
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         return self._run(q, k, v, layer, forward_batch, save_kv_cache)
 
 

@@ -4,6 +4,7 @@ Decode (and the one-token requests of a mixed batch) is one batched SDPA over a 
 [n, max_len, H_kv, D] gather of each request's KV with a length mask. Multi-token extends run one SDPA
 per request (prefix from the pool + the new tokens, causal with the prefix offset). All index work
 happens once per forward in `init_forward_metadata` and is reused by every layer."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from labkit.attention.base import (
-    AttentionBackend, AttentionBackendConfig, AttentionLayerSpec, register_attention_backend,
+    AttentionBackend,
+    AttentionBackendConfig,
+    AttentionLayerSpec,
+    register_attention_backend,
 )
 
 if TYPE_CHECKING:
@@ -96,14 +100,19 @@ class TorchNativeAttnBackend(AttentionBackend):
         order = sorted(range(len(single)), key=seq_lens.__getitem__)
         size = max(MIN_GROUP_SIZE, -(-len(order) // MAX_PADDED_GROUPS))
         padded = [
-            self._padded_group(req_to_token, [pool_idx_cpu[single[j]] for j in part],
-                               [seq_lens[j] for j in part], [single_rows[j] for j in part])
-            for part in (order[g:g + size] for g in range(0, len(order), size))
+            self._padded_group(
+                req_to_token,
+                [pool_idx_cpu[single[j]] for j in part],
+                [seq_lens[j] for j in part],
+                [single_rows[j] for j in part],
+            )
+            for part in (order[g : g + size] for g in range(0, len(order), size))
         ]
         self.metadata = _Metadata(padded, extends)
 
-    def _padded_group(self, req_to_token: torch.Tensor, pool_idx: list[int],
-                      seq_lens_cpu: list[int], rows: list[int]) -> _PaddedGroup:
+    def _padded_group(
+        self, req_to_token: torch.Tensor, pool_idx: list[int], seq_lens_cpu: list[int], rows: list[int]
+    ) -> _PaddedGroup:
         max_len = max(seq_lens_cpu)
         seq_lens = torch.tensor(seq_lens_cpu, dtype=torch.int64, device=self.device)
         cols = torch.arange(max_len, device=self.device)
@@ -111,30 +120,45 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool_idx_t = torch.tensor(pool_idx, dtype=torch.int64, device=self.device)
         kv_indices = req_to_token[pool_idx_t, :max_len].masked_fill(~in_prefix, 0)
         mask = (cols[None, :] < seq_lens[:, None])[:, None, None, :]
-        return _PaddedGroup(rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
-                            kv_indices=kv_indices, new_pos=seq_lens - 1, mask=mask,
-                            batch=torch.arange(len(seq_lens_cpu), device=self.device))
+        return _PaddedGroup(
+            rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
+            kv_indices=kv_indices,
+            new_pos=seq_lens - 1,
+            mask=mask,
+            batch=torch.arange(len(seq_lens_cpu), device=self.device),
+        )
 
-    def _extend_req(self, req_to_token: torch.Tensor, pool_idx: int, start: int,
-                    prefix: int, n: int) -> _ExtendReq:
+    def _extend_req(self, req_to_token: torch.Tensor, pool_idx: int, start: int, prefix: int, n: int) -> _ExtendReq:
         if prefix == 0:
             return _ExtendReq(start, start + n, None, None)
         q_pos = torch.arange(n, device=self.device)[:, None] + prefix
         mask = torch.arange(prefix + n, device=self.device)[None, :] <= q_pos
         return _ExtendReq(start, start + n, req_to_token[pool_idx, :prefix], mask)
 
-    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       layer: AttentionLayerSpec, forward_batch: ForwardBatch,
-                       save_kv_cache: bool = True) -> torch.Tensor:
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         if save_kv_cache:
             forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
         self._attend_groups(q, k, v, layer, forward_batch, out)
         return out
 
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       layer: AttentionLayerSpec, forward_batch: ForwardBatch,
-                       save_kv_cache: bool = True) -> torch.Tensor:
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         if save_kv_cache:
             forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         md = self.metadata
@@ -143,27 +167,46 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool = forward_batch.token_to_kv_pool
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         for r in md.extends:
-            ki, vi = k[r.start:r.end], v[r.start:r.end]
+            ki, vi = k[r.start : r.end], v[r.start : r.end]
             if r.prefix_indices is not None:
                 ki = torch.cat([_gather(k_buf, r.prefix_indices).to(q.dtype), ki])
                 vi = torch.cat([_gather(v_buf, r.prefix_indices).to(q.dtype), vi])
             # [1, H, len, D]: 4-D inputs take the flash kernel on CPU (3-D falls back to the math
             # path, ~2.7x slower); enable_gqa maps query heads to KV heads without copying KV.
             o = F.scaled_dot_product_attention(
-                q[r.start:r.end].transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None],
-                attn_mask=r.mask, is_causal=r.mask is None, scale=layer.scaling, enable_gqa=True)
-            out[r.start:r.end] = o[0].transpose(0, 1).reshape(r.end - r.start, -1)
+                q[r.start : r.end].transpose(0, 1)[None],
+                ki.transpose(0, 1)[None],
+                vi.transpose(0, 1)[None],
+                attn_mask=r.mask,
+                is_causal=r.mask is None,
+                scale=layer.scaling,
+                enable_gqa=True,
+            )
+            out[r.start : r.end] = o[0].transpose(0, 1).reshape(r.end - r.start, -1)
         self._attend_groups(q, k, v, layer, forward_batch, out)
         return out
 
-    def _attend_groups(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                       forward_batch: ForwardBatch, out: torch.Tensor) -> None:
+    def _attend_groups(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        out: torch.Tensor,
+    ) -> None:
         for g in self.metadata.padded:
             out[g.rows] = self._attend_padded(q[g.rows], k[g.rows], v[g.rows], layer, forward_batch, g)
 
-    def _attend_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       layer: AttentionLayerSpec, forward_batch: ForwardBatch,
-                       g: _PaddedGroup) -> torch.Tensor:
+    def _attend_padded(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        g: _PaddedGroup,
+    ) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
         n = q.shape[0]
         # Prefix from the pool, this forward's token from the arguments (so save_kv_cache=False works).
@@ -175,5 +218,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         group = layer.num_heads // layer.num_kv_heads
         qg = q.view(n, layer.num_kv_heads, group, layer.head_dim)
         o = F.scaled_dot_product_attention(
-            qg, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=g.mask, scale=layer.scaling)
+            qg, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=g.mask, scale=layer.scaling
+        )
         return o.reshape(n, layer.num_heads * layer.head_dim)

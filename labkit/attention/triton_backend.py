@@ -9,6 +9,7 @@ requests are extends of length 1). Without CUDA the kernels run in Triton's inte
 Decode can run inside a CUDA graph (see the hooks in AttentionBackend): the split counts and the
 stage-1 workspace then live in buffers allocated once for the largest captured batch, the grid's
 split bound depends on the batch size alone, and a replay rewrites the split counts in place."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,10 +18,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from labkit.attention.base import (
-    AttentionBackend, AttentionBackendConfig, AttentionLayerSpec, register_attention_backend,
+    AttentionBackend,
+    AttentionBackendConfig,
+    AttentionLayerSpec,
+    register_attention_backend,
 )
 from labkit.kernels.decode import (
-    DEFAULT_MAX_KV_SPLITS, decode_attention, decode_kv_splits, num_sms,
+    DEFAULT_MAX_KV_SPLITS,
+    decode_attention,
+    decode_kv_splits,
+    num_sms,
 )
 from labkit.kernels.extend import ExtendPlan, extend_attention
 from labkit.kernels.kv_cache import store_kv
@@ -83,8 +90,7 @@ class TritonAttnBackend(AttentionBackend):
 
     def _decode_metadata(self, fb: ForwardBatch) -> _DecodeMetadata:
         c, bs = self.config, fb.batch_size
-        splits, bound = decode_kv_splits(fb.seq_lens, c.num_heads, c.num_kv_heads, self.num_sms,
-                                         self.max_kv_splits)
+        splits, bound = decode_kv_splits(fb.seq_lens, c.num_heads, c.num_kv_heads, self.num_sms, self.max_kv_splits)
         mid_o = torch.empty(bs, c.num_heads, bound, c.head_dim, dtype=torch.float32, device=self.device)
         mid_lse = torch.empty(bs, c.num_heads, bound, dtype=torch.float32, device=self.device)
         return _DecodeMetadata(splits, bound, mid_o, mid_lse)
@@ -92,24 +98,32 @@ class TritonAttnBackend(AttentionBackend):
     def _decode_as_extend(self, fb: ForwardBatch) -> _ExtendMetadata:
         """The decode batch as extends of one token each: their K/V then come from the arguments."""
         bs = fb.batch_size
-        return _ExtendMetadata(fb.seq_lens - 1, torch.ones_like(fb.seq_lens), torch.arange(bs, device=self.device),
-                               ExtendPlan.one_token_each(bs, self.config.head_dim, self.device))
+        return _ExtendMetadata(
+            fb.seq_lens - 1,
+            torch.ones_like(fb.seq_lens),
+            torch.arange(bs, device=self.device),
+            ExtendPlan.one_token_each(bs, self.config.head_dim, self.device),
+        )
 
     # ---- CUDA graphs ---------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
         c = self.config
         self.graph_max_bs = max_bs
         self.graph_num_kv_splits = torch.ones(max_bs, dtype=torch.int32, device=self.device)
-        self.graph_mid_o = torch.empty(max_bs, c.num_heads, self.max_kv_splits, c.head_dim,
-                                       dtype=torch.float32, device=self.device)
-        self.graph_mid_lse = torch.empty(max_bs, c.num_heads, self.max_kv_splits, dtype=torch.float32,
-                                         device=self.device)
+        self.graph_mid_o = torch.empty(
+            max_bs, c.num_heads, self.max_kv_splits, c.head_dim, dtype=torch.float32, device=self.device
+        )
+        self.graph_mid_lse = torch.empty(
+            max_bs, c.num_heads, self.max_kv_splits, dtype=torch.float32, device=self.device
+        )
 
     def _graph_splits(self, fb: ForwardBatch) -> tuple[torch.Tensor, int]:
         c = self.config
         if not 0 < fb.batch_size <= self.graph_max_bs:
-            raise ValueError(f"batch of {fb.batch_size} outside the CUDA graph buffers (1..{self.graph_max_bs}); "
-                             "was init_cuda_graph_state called?")
+            raise ValueError(
+                f"batch of {fb.batch_size} outside the CUDA graph buffers (1..{self.graph_max_bs}); "
+                "was init_cuda_graph_state called?"
+            )
         # The bound comes from the (padded) batch size alone, so it is the same at every replay.
         return decode_kv_splits(fb.seq_lens, c.num_heads, c.num_kv_heads, self.num_sms, self.max_kv_splits)
 
@@ -118,17 +132,24 @@ class TritonAttnBackend(AttentionBackend):
         splits, bound = self._graph_splits(fb)
         self.graph_num_kv_splits[:bs].copy_(splits)  # valid counts for the warm-up forwards too
         self.extend = None
-        self.decode = _DecodeMetadata(self.graph_num_kv_splits[:bs], bound, self.graph_mid_o[:bs],
-                                      self.graph_mid_lse[:bs])
+        self.decode = _DecodeMetadata(
+            self.graph_num_kv_splits[:bs], bound, self.graph_mid_o[:bs], self.graph_mid_lse[:bs]
+        )
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         splits, _ = self._graph_splits(forward_batch)
-        self.graph_num_kv_splits[:forward_batch.batch_size].copy_(splits)
+        self.graph_num_kv_splits[: forward_batch.batch_size].copy_(splits)
 
     # ---- per layer ----------------------------------------------------------------------------
-    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       layer: AttentionLayerSpec, forward_batch: ForwardBatch,
-                       save_kv_cache: bool = True) -> torch.Tensor:
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         md = self.decode
         assert md is not None, "init_forward_metadata was not called for this decode batch"
         if not save_kv_cache:  # the new tokens are not in the pool: read them from k, v
@@ -137,26 +158,67 @@ class TritonAttnBackend(AttentionBackend):
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
         out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
-        decode_attention(q, k_buf, v_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
-                         fb.seq_lens, layer.scaling, out=out.view(q.shape), num_kv_splits=md.num_kv_splits,
-                         max_kv_splits=md.max_kv_splits, mid_o=md.mid_o, mid_lse=md.mid_lse)
+        decode_attention(
+            q,
+            k_buf,
+            v_buf,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            layer.scaling,
+            out=out.view(q.shape),
+            num_kv_splits=md.num_kv_splits,
+            max_kv_splits=md.max_kv_splits,
+            mid_o=md.mid_o,
+            mid_lse=md.mid_lse,
+        )
         return out
 
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       layer: AttentionLayerSpec, forward_batch: ForwardBatch,
-                       save_kv_cache: bool = True) -> torch.Tensor:
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         assert self.extend is not None, "init_forward_metadata was not called for this extend batch"
         if save_kv_cache:
             pool = forward_batch.token_to_kv_pool
-            store_kv(pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-                     forward_batch.out_cache_loc, k, v)
+            store_kv(
+                pool.get_key_buffer(layer.layer_id),
+                pool.get_value_buffer(layer.layer_id),
+                forward_batch.out_cache_loc,
+                k,
+                v,
+            )
         return self._extend(q, k, v, layer, forward_batch, self.extend)
 
-    def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                forward_batch: ForwardBatch, md: _ExtendMetadata) -> torch.Tensor:
+    def _extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        forward_batch: ForwardBatch,
+        md: _ExtendMetadata,
+    ) -> torch.Tensor:
         fb, pool = forward_batch, forward_batch.token_to_kv_pool
         out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
-        extend_attention(q, k, v, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-                         fb.req_to_token_pool.req_to_token, fb.req_pool_indices, md.prefix_lens,
-                         md.extend_lens, md.extend_start, layer.scaling, out=out.view(q.shape), plan=md.plan)
+        extend_attention(
+            q,
+            k,
+            v,
+            pool.get_key_buffer(layer.layer_id),
+            pool.get_value_buffer(layer.layer_id),
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            md.prefix_lens,
+            md.extend_lens,
+            md.extend_start,
+            layer.scaling,
+            out=out.view(q.shape),
+            plan=md.plan,
+        )
         return out

@@ -1,6 +1,7 @@
 """Ways to run a benchmark's requests, each on the same arrival schedule and concurrency limit:
 an OpenAI-compatible server over streaming HTTP (completions or chat), or labkit's in-process Engine.
 Each returns one `RequestOutput` per request, in request order, and the run's duration."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +10,9 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -61,12 +63,18 @@ class HttpTarget:
         return auth_headers(self.api_key)
 
     def body(self, req: BenchRequest) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": req.output_len, "temperature": 0,
-                                "stream": True, "stream_options": {"include_usage": True},
-                                "ignore_eos": req.ignore_eos}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": req.output_len,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": req.ignore_eos,
+        }
         if self.chat:  # token-id prompts go as their decoded text (the server re-tokenizes it)
-            body["messages"] = req.prompt if req.is_chat else [
-                {"role": "user", "content": self._need_tokenizer().decode(req.prompt)}]
+            body["messages"] = (
+                req.prompt if req.is_chat else [{"role": "user", "content": self._need_tokenizer().decode(req.prompt)}]
+            )
         else:  # chat prompts go as the ids of their chat template, so prompt lengths stay exact
             body["prompt"] = chat_prompt_ids(self._need_tokenizer(), req.prompt) if req.is_chat else req.prompt
         return body
@@ -96,8 +104,7 @@ def chunk_text(chunk: dict[str, Any], chat: bool) -> str:
     return choices[0].get("text") or ""
 
 
-async def send_request(client: httpx.AsyncClient, target: HttpTarget, req: BenchRequest,
-                       t0: float) -> RequestOutput:
+async def send_request(client: httpx.AsyncClient, target: HttpTarget, req: BenchRequest, t0: float) -> RequestOutput:
     """One streaming request; timings from the arrival of SSE lines. Any failure is recorded, not raised.
     The body (for chat prompts: template and tokenizer) is built before the clock starts."""
     out = RequestOutput(prompt_len=req.prompt_len)
@@ -145,9 +152,14 @@ async def send_request(client: httpx.AsyncClient, target: HttpTarget, req: Bench
     return out
 
 
-async def run_http(client: httpx.AsyncClient, target: HttpTarget, requests: list[BenchRequest],
-                   arrivals: list[float], max_concurrency: int | None = None,
-                   on_done: Callable[[], None] | None = None) -> tuple[list[RequestOutput], float]:
+async def run_http(
+    client: httpx.AsyncClient,
+    target: HttpTarget,
+    requests: list[BenchRequest],
+    arrivals: list[float],
+    max_concurrency: int | None = None,
+    on_done: Callable[[], None] | None = None,
+) -> tuple[list[RequestOutput], float]:
     """Send each request at its arrival offset, at most `max_concurrency` in flight."""
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     t0 = time.perf_counter()
@@ -178,9 +190,13 @@ def engine_add(engine: Any, req: BenchRequest) -> str:
     return engine.add_request(**prompt, sampling_params=params)
 
 
-def run_engine(engine: Any, requests: list[BenchRequest], arrivals: list[float],
-               max_concurrency: int | None = None,
-               on_done: Callable[[], None] | None = None) -> tuple[list[RequestOutput], float]:
+def run_engine(
+    engine: Any,
+    requests: list[BenchRequest],
+    arrivals: list[float],
+    max_concurrency: int | None = None,
+    on_done: Callable[[], None] | None = None,
+) -> tuple[list[RequestOutput], float]:
     """Drive `engine.step()` by hand. Between steps, admit every request whose arrival time has passed
     while a concurrency slot is free; after each step, timestamp the tokens it produced."""
     outs = [RequestOutput(prompt_len=r.prompt_len) for r in requests]

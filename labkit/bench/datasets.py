@@ -2,6 +2,7 @@
 
 Every generator returns a list of `BenchRequest`. Random and shared-prefix prompts are token ids
 (exact lengths, EOS ignored); multi-turn prompts are chat messages with a max_tokens cap."""
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,9 @@ def _length(rng: random.Random, full: int, range_ratio: float) -> int:
     return rng.randint(max(1, int(full * range_ratio)), max(1, full))
 
 
-def random_requests(num_prompts: int, input_len: int, output_len: int, range_ratio: float,
-                    vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+def random_requests(
+    num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int, seed: int = 0
+) -> list[BenchRequest]:
     if not 0.0 <= range_ratio <= 1.0:
         raise ValueError(f"range ratio must be in [0, 1], got {range_ratio}")
     rng = random.Random(seed)
@@ -54,9 +56,15 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, range_rat
     return out
 
 
-def shared_prefix_requests(num_groups: int, prompts_per_group: int, system_prompt_len: int,
-                           question_len: int, output_len: int, vocab_size: int,
-                           seed: int = 0) -> list[BenchRequest]:
+def shared_prefix_requests(
+    num_groups: int,
+    prompts_per_group: int,
+    system_prompt_len: int,
+    question_len: int,
+    output_len: int,
+    vocab_size: int,
+    seed: int = 0,
+) -> list[BenchRequest]:
     """G groups of P prompts: a random system prompt per group plus a random question each.
     The list is shuffled (seeded) so the groups interleave, as independent users would."""
     rng = random.Random(seed)
@@ -76,8 +84,9 @@ def load_conversations(path: str | Path = MULTITURN_FILE) -> list[list[dict[str,
     return [conv["turns"] for conv in data]
 
 
-def multiturn_requests(tokenizer: Any, max_tokens: int, num_prompts: int | None = None,
-                       path: str | Path = MULTITURN_FILE) -> list[BenchRequest]:
+def multiturn_requests(
+    tokenizer: Any, max_tokens: int, num_prompts: int | None = None, path: str | Path = MULTITURN_FILE
+) -> list[BenchRequest]:
     """One request per user turn; its messages carry the earlier turns with the file's assistant
     replies, so turn k+1 extends turn k's prompt. Ordered round by round (every conversation's first
     turn, then every second turn, ...) so a later turn arrives after the one whose prefix it shares."""

@@ -4,6 +4,7 @@
 
 Requests are random token ids (seeded), greedy, EOS ignored, so both sides produce exactly
 output-len tokens per request. Prints both throughputs, their ratio, and batch-1 time per token."""
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,8 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     return ids, mask
 
 
@@ -66,9 +67,16 @@ def hf_generate(model, prompts: list[list[int]], output_len: int, pad_id: int) -
     config = model.generation_config
     config.eos_token_id = None  # ignore EOS, like labkit's ignore_eos
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
-                             do_sample=False, pad_token_id=pad_id, generation_config=config)
-    return out[:, ids.shape[1]:]
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+            pad_token_id=pad_id,
+            generation_config=config,
+        )
+    return out[:, ids.shape[1] :]
 
 
 def bench_hf(model, prompts: list[list[int]], output_len: int, pad_id: int) -> tuple[float, float]:
@@ -101,24 +109,31 @@ def main(argv: list[str] | None = None) -> list[Result]:
     from transformers import AutoModelForCausalLM
 
     engine = Engine(max_total_tokens=args.num_requests * (args.max_input + args.output_len) + 1024)
-    prompts = make_requests(args.num_requests, args.min_input, args.max_input,
-                            engine.model_runner.vocab_size, args.seed)
+    prompts = make_requests(
+        args.num_requests, args.min_input, args.max_input, engine.model_runner.vocab_size, args.seed
+    )
     lab_s, lab_tok = bench_labkit(engine, prompts, args.output_len)
     del engine
     model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=torch.float32).eval()
     hf_s, hf_tok = bench_hf(model, prompts, args.output_len, pad_id=model.config.pad_token_id or 0)
 
     total = args.num_requests * args.output_len
-    results = [Result("labkit", args.num_requests, total, lab_s, total / lab_s, lab_tok * 1e3),
-               Result("transformers generate (padded)", args.num_requests, total, hf_s, total / hf_s, hf_tok * 1e3)]
-    print(f"{args.num_requests} requests, input {args.min_input}..{args.max_input}, output {args.output_len}, "
-          f"greedy, EOS ignored, {torch.get_num_threads()} threads")
+    results = [
+        Result("labkit", args.num_requests, total, lab_s, total / lab_s, lab_tok * 1e3),
+        Result("transformers generate (padded)", args.num_requests, total, hf_s, total / hf_s, hf_tok * 1e3),
+    ]
+    print(
+        f"{args.num_requests} requests, input {args.min_input}..{args.max_input}, output {args.output_len}, "
+        f"greedy, EOS ignored, {torch.get_num_threads()} threads"
+    )
     print(f"{'system':32} {'seconds':>8} {'out tok/s':>10} {'batch-1 ms/token':>17}")
     for r in results:
         print(f"{r.system:32} {r.seconds:8.2f} {r.output_throughput:10.1f} {r.batch1_ms_per_token:17.2f}")
     ratio = results[0].output_throughput / results[1].output_throughput
-    print(f"throughput ratio labkit / transformers: {ratio:.2f}x; "
-          f"batch-1 per-token ratio transformers / labkit: {hf_tok / lab_tok:.2f}x")
+    print(
+        f"throughput ratio labkit / transformers: {ratio:.2f}x; "
+        f"batch-1 per-token ratio transformers / labkit: {hf_tok / lab_tok:.2f}x"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=2)

@@ -24,6 +24,7 @@ compiles labkit's decode forward (up to --torch-compile-max-bs); --kernel-profil
 workload once more under torch.profiler and prints device time per kernel group (matmul, decode and
 extend attention, norms, ...) over the whole run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -149,11 +150,18 @@ def instrument(engine: Engine, profile: Profile):
 
 
 def build_engine(model: str, args, **overrides) -> Engine:
-    options = dict(model_path=model, load_format="dummy", dtype="bfloat16", page_size=args.page_size,
-                   kv_memory_gb=args.kv_memory_gb, max_running_requests=args.max_running_requests,
-                   cuda_graph_max_bs=args.cuda_graph_max_bs, enable_torch_compile=args.enable_torch_compile,
-                   torch_compile_max_bs=args.torch_compile_max_bs,
-                   chunked_prefill_size=args.chunked_prefill_size)
+    options = dict(
+        model_path=model,
+        load_format="dummy",
+        dtype="bfloat16",
+        page_size=args.page_size,
+        kv_memory_gb=args.kv_memory_gb,
+        max_running_requests=args.max_running_requests,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        enable_torch_compile=args.enable_torch_compile,
+        torch_compile_max_bs=args.torch_compile_max_bs,
+        chunked_prefill_size=args.chunked_prefill_size,
+    )
     return Engine(**{**options, **overrides})
 
 
@@ -202,8 +210,11 @@ def bench_labkit(args, prompts, out_lens, name: str = "labkit", **overrides) -> 
     return Run(name, len(prompts), sum(made), seconds, note), profile, engine
 
 
-BATCH1_VARIANTS = {"graphs": {}, "graphs+compile": {"enable_torch_compile": True},
-                   "eager": {"disable_cuda_graph": True}}
+BATCH1_VARIANTS = {
+    "graphs": {},
+    "graphs+compile": {"enable_torch_compile": True},
+    "eager": {"disable_cuda_graph": True},
+}
 
 
 def batch1_ms_per_token(model: str, args, variant: str, prompt: list[int], n: int) -> tuple[float, int]:
@@ -226,11 +237,11 @@ def kernel_profile(engine: Engine, prompts: list[list[int]], out_lens: list[int]
 
     engine.flush_cache()
     for prompt, n in zip(prompts, out_lens):
-        engine.add_request(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": n,
-                                                              "ignore_eos": True})
+        engine.add_request(
+            input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+        )
     groups, kernels, wall, _ = profiled(engine, engine.scheduler.has_work)
-    report("labkit's run under torch.profiler, device time by kernel group", groups, kernels, wall, 1, 12,
-           per="run")
+    report("labkit's run under torch.profiler, device time by kernel group", groups, kernels, wall, 1, 12, per="run")
 
 
 # ---- transformers -----------------------------------------------------------------------------
@@ -256,13 +267,13 @@ def bench_hf_continuous(args, prompts, out_lens) -> Run:
     try:
         from transformers.generation.continuous_batching.utils import WorkloadHints
 
-        kwargs["workload_hints"] = WorkloadHints(max_prompt_length=max(map(len, prompts)),
-                                                 max_generated_length=max(out_lens))
+        kwargs["workload_hints"] = WorkloadHints(
+            max_prompt_length=max(map(len, prompts)), max_generated_length=max(out_lens)
+        )
     except ImportError:
         pass
     done: dict[str, int] = {}
-    with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=30,
-                                                   **kwargs) as manager:
+    with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=30, **kwargs) as manager:
         start = time.perf_counter()
         for i, (p, n) in enumerate(zip(prompts, out_lens)):
             manager.add_request(input_ids=p, request_id=f"r{i}", max_new_tokens=n)
@@ -275,8 +286,12 @@ def bench_hf_continuous(args, prompts, out_lens) -> Run:
         seconds = time.perf_counter() - start
     capped = len(done) < len(prompts)
     wrong = sum(done[f"r{i}"] != n for i, n in enumerate(out_lens) if f"r{i}" in done)
-    note = "attn paged|sdpa" + (f"; capped at {args.hf_max_seconds:.0f} s: {len(done)}/{len(prompts)} "
-                                "requests finished, only their tokens counted" if capped else "")
+    note = "attn paged|sdpa" + (
+        f"; capped at {args.hf_max_seconds:.0f} s: {len(done)}/{len(prompts)} "
+        "requests finished, only their tokens counted"
+        if capped
+        else ""
+    )
     if wrong:
         note += f"; {wrong} requests with a different token count"
     del manager, model
@@ -289,9 +304,16 @@ def hf_padded_generate(model, prompts: list[list[int]], output_len: int, max_tim
     runs output_len steps (or until max_time seconds). Returns the new tokens [n, steps]."""
     ids, mask = left_pad(prompts, pad_id=0)
     with torch.inference_mode():
-        out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=output_len,
-                             min_new_tokens=output_len, do_sample=False, pad_token_id=0, max_time=max_time)
-    return out[:, ids.shape[1]:]
+        out = model.generate(
+            ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+            pad_token_id=0,
+            max_time=max_time,
+        )
+    return out[:, ids.shape[1] :]
 
 
 def bench_hf_padded(args, prompts, out_lens) -> Run:
@@ -329,52 +351,84 @@ def roofline(engine: Engine, profile: Profile, bandwidth: float, rate: float) ->
     cfg = runner.hf_config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layer_params = sum(p.numel() for p in runner.model.model.layers.parameters())
-    prefill_flops = (2 * layer_params * profile.extend.tokens
-                     + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * profile.prefill_attn_pairs)
-    return {"weight_bytes": wbytes, "kv_bytes_per_token": kv_per_token, "decode_bytes": decode_bytes,
-            "decode_floor_s": decode_bytes / bandwidth, "prefill_flops": prefill_flops,
-            "prefill_floor_s": prefill_flops / rate}
+    prefill_flops = (
+        2 * layer_params * profile.extend.tokens
+        + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * profile.prefill_attn_pairs
+    )
+    return {
+        "weight_bytes": wbytes,
+        "kv_bytes_per_token": kv_per_token,
+        "decode_bytes": decode_bytes,
+        "decode_floor_s": decode_bytes / bandwidth,
+        "prefill_flops": prefill_flops,
+        "prefill_floor_s": prefill_flops / rate,
+    }
 
 
-def print_report(args, runs: list[Run], profile: Profile, roof: dict, bandwidth: float, rate: float,
-                 batch1: list[tuple[str, str, float, float]]) -> None:
-    print(f"\n== offline throughput: {args.num_seqs} seqs, input and output lengths uniform in "
-          f"[{args.min_len}, {args.max_len}] (seed {args.seed}), random ids, greedy, EOS ignored, "
-          f"{args.model} random weights, bfloat16, {torch.cuda.get_device_name()}")
+def print_report(
+    args,
+    runs: list[Run],
+    profile: Profile,
+    roof: dict,
+    bandwidth: float,
+    rate: float,
+    batch1: list[tuple[str, str, float, float]],
+) -> None:
+    print(
+        f"\n== offline throughput: {args.num_seqs} seqs, input and output lengths uniform in "
+        f"[{args.min_len}, {args.max_len}] (seed {args.seed}), random ids, greedy, EOS ignored, "
+        f"{args.model} random weights, bfloat16, {torch.cuda.get_device_name()}"
+    )
     print(f"{'system':34} {'reqs':>5} {'out tokens':>10} {'seconds':>8} {'out tok/s':>10}  note")
     for r in runs:
         print(f"{r.system:34} {r.requests:5d} {r.output_tokens:10d} {r.seconds:8.2f} {r.throughput:10.0f}  {r.note}")
     lab = runs[0]
     floor = roof["decode_floor_s"] + roof["prefill_floor_s"]
     d, e = profile.decode, profile.extend
-    print(f"\n== roofline (HBM {bandwidth / 1e12:.2f} TB/s by a 2 GiB copy, bf16 matmul {rate / 1e12:.0f} "
-          f"TFLOP/s, both measured in this run)")
-    print(f"weights {roof['weight_bytes'] / 1e9:.3f} GB read every decode step, KV "
-          f"{roof['kv_bytes_per_token'] / 1024:.0f} KiB per token; {d.steps} decode steps read "
-          f"{roof['decode_bytes'] / 1e12:.2f} TB -> {roof['decode_floor_s']:.2f} s; prefill "
-          f"{roof['prefill_flops'] / 1e15:.3f} PFLOP -> {roof['prefill_floor_s']:.2f} s")
-    print(f"floor {floor:.2f} s = {lab.output_tokens / floor:.0f} out tok/s; labkit {lab.seconds:.2f} s: "
-          f"{100 * floor / lab.seconds:.1f}% of roofline overall; decode steps alone {d.wall:.2f} s: "
-          f"{100 * roof['decode_floor_s'] / d.wall:.1f}% of their floor")
+    print(
+        f"\n== roofline (HBM {bandwidth / 1e12:.2f} TB/s by a 2 GiB copy, bf16 matmul {rate / 1e12:.0f} "
+        f"TFLOP/s, both measured in this run)"
+    )
+    print(
+        f"weights {roof['weight_bytes'] / 1e9:.3f} GB read every decode step, KV "
+        f"{roof['kv_bytes_per_token'] / 1024:.0f} KiB per token; {d.steps} decode steps read "
+        f"{roof['decode_bytes'] / 1e12:.2f} TB -> {roof['decode_floor_s']:.2f} s; prefill "
+        f"{roof['prefill_flops'] / 1e15:.3f} PFLOP -> {roof['prefill_floor_s']:.2f} s"
+    )
+    print(
+        f"floor {floor:.2f} s = {lab.output_tokens / floor:.0f} out tok/s; labkit {lab.seconds:.2f} s: "
+        f"{100 * floor / lab.seconds:.1f}% of roofline overall; decode steps alone {d.wall:.2f} s: "
+        f"{100 * roof['decode_floor_s'] / d.wall:.1f}% of their floor"
+    )
     print("\n== labkit step breakdown (per step, ms; GPU times from CUDA events)")
-    print(f"{'mode':7} {'steps':>6} {'wall':>7} {'fwd GPU':>8} {'smpl GPU':>9} {'fwd call':>9} "
-          f"{'smpl call':>10} {'rest CPU':>9} {'GPU idle':>9} {'tok/step':>9}")
+    print(
+        f"{'mode':7} {'steps':>6} {'wall':>7} {'fwd GPU':>8} {'smpl GPU':>9} {'fwd call':>9} "
+        f"{'smpl call':>10} {'rest CPU':>9} {'GPU idle':>9} {'tok/step':>9}"
+    )
     for name, s in (("decode", d), ("prefill", e)):
         if not s.steps:
             continue
         k = 1e3 / s.steps
         rest = s.wall - s.forward_call - s.sample_call
         idle = s.wall - s.forward_gpu - s.sample_gpu
-        print(f"{name:7} {s.steps:6d} {s.wall * k:7.3f} {s.forward_gpu * k:8.3f} {s.sample_gpu * k:9.3f} "
-              f"{s.forward_call * k:9.3f} {s.sample_call * k:10.3f} {rest * k:9.3f} {idle * k:9.3f} "
-              f"{s.tokens / s.steps:9.1f}")
-    print(f"decode steps replayed from a CUDA graph: {d.graph_steps}/{d.steps}; total step time "
-          f"{d.wall + e.wall:.2f} s of {lab.seconds:.2f} s")
-    print("('rest CPU' = the scheduler step outside the forward and sampling calls, including the wait for "
-          "the GPU at the step's one sync; 'GPU idle' = wall - forward GPU - sampling GPU)")
+        print(
+            f"{name:7} {s.steps:6d} {s.wall * k:7.3f} {s.forward_gpu * k:8.3f} {s.sample_gpu * k:9.3f} "
+            f"{s.forward_call * k:9.3f} {s.sample_call * k:10.3f} {rest * k:9.3f} {idle * k:9.3f} "
+            f"{s.tokens / s.steps:9.1f}"
+        )
+    print(
+        f"decode steps replayed from a CUDA graph: {d.graph_steps}/{d.steps}; total step time "
+        f"{d.wall + e.wall:.2f} s of {lab.seconds:.2f} s"
+    )
+    print(
+        "('rest CPU' = the scheduler step outside the forward and sampling calls, including the wait for "
+        "the GPU at the step's one sync; 'GPU idle' = wall - forward GPU - sampling GPU)"
+    )
     if batch1:
-        print(f"\n== batch-1 decode, ms per output token ({args.batch1_input}-token prompt, "
-              f"{args.batch1_output} output tokens; floor = weights / HBM bandwidth)")
+        print(
+            f"\n== batch-1 decode, ms per output token ({args.batch1_input}-token prompt, "
+            f"{args.batch1_output} output tokens; floor = weights / HBM bandwidth)"
+        )
         print(f"{'model':14} {'variant':>14} {'ms/token':>9} {'floor ms':>9}")
         for model, variant, ms, floor_ms in batch1:
             print(f"{model:14} {variant:>14} {ms:9.3f} {floor_ms:9.3f}")
@@ -392,8 +446,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--cuda-graph-max-bs", type=int, default=256)
     ap.add_argument("--chunked-prefill-size", type=int, default=None, help="default: the engine's")
-    ap.add_argument("--kernel-profile", action="store_true",
-                    help="run labkit's workload once more under torch.profiler: device time per kernel group")
+    ap.add_argument(
+        "--kernel-profile",
+        action="store_true",
+        help="run labkit's workload once more under torch.profiler: device time per kernel group",
+    )
     ap.add_argument("--skip-hf", action="store_true", help="no transformers peers")
     ap.add_argument("--disable-overlap-schedule", action="store_true", help="labkit's run without overlap")
     ap.add_argument("--enable-torch-compile", action="store_true", help="labkit's runs with torch.compile")
@@ -402,8 +459,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-padded-seqs", type=int, default=64, help="requests given to padded generate")
     ap.add_argument("--hf-max-seconds", type=float, default=60.0, help="time cap of each transformers run")
     ap.add_argument("--batch1-models", default="qwen3-0.6b,qwen2.5-0.5b", help="comma-separated; empty: skip")
-    ap.add_argument("--batch1-variants", default="graphs,eager",
-                    help=f"comma-separated, of {', '.join(BATCH1_VARIANTS)}")
+    ap.add_argument(
+        "--batch1-variants", default="graphs,eager", help=f"comma-separated, of {', '.join(BATCH1_VARIANTS)}"
+    )
     ap.add_argument("--batch1-input", type=int, default=512)
     ap.add_argument("--batch1-output", type=int, default=256)
     ap.add_argument("--json", help="also write the results to this JSON file")
@@ -432,8 +490,13 @@ def main(argv: list[str] | None = None) -> dict:
     free_cuda()
     runs = [lab]
     if args.compare_overlap:
-        other, _, engine = bench_labkit(args, prompts, out_lens, "labkit, overlap toggled",
-                                        disable_overlap_schedule=not args.disable_overlap_schedule)
+        other, _, engine = bench_labkit(
+            args,
+            prompts,
+            out_lens,
+            "labkit, overlap toggled",
+            disable_overlap_schedule=not args.disable_overlap_schedule,
+        )
         del engine
         free_cuda()
         runs.append(other)
@@ -459,10 +522,16 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{run.system}: {run.output_tokens} tokens in {run.seconds:.2f} s {run.note}", flush=True)
 
     print_report(args, runs, profile, roof, bandwidth, rate, batch1)
-    result = {"args": vars(args), "device": torch.cuda.get_device_name(), "hbm_bytes_per_s": bandwidth,
-              "bf16_flops": rate, "runs": [{**asdict(r), "throughput": r.throughput} for r in runs],
-              "profile": {"decode": asdict(profile.decode), "extend": asdict(profile.extend)},
-              "roofline": roof, "batch1": batch1}
+    result = {
+        "args": vars(args),
+        "device": torch.cuda.get_device_name(),
+        "hbm_bytes_per_s": bandwidth,
+        "bf16_flops": rate,
+        "runs": [{**asdict(r), "throughput": r.throughput} for r in runs],
+        "profile": {"decode": asdict(profile.decode), "extend": asdict(profile.extend)},
+        "roofline": roof,
+        "batch1": batch1,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -10,6 +10,7 @@ ignored). The prompt chunks are profiled as they run, then --steps decode steps 
 products, attention, norms, rotary, activation, KV store, sampling, copies) and the table shows
 device milliseconds per step, next to the step's wall time, so the gap is host/launch time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,9 @@ def kernel_times(prof: profile) -> tuple[dict[str, float], dict[str, tuple[float
     return groups, kernels
 
 
-def profiled(engine: Engine, more: Callable[[], object]) -> tuple[dict[str, float], dict[str, tuple[float, int]],
-                                                                   float, int]:
+def profiled(
+    engine: Engine, more: Callable[[], object]
+) -> tuple[dict[str, float], dict[str, tuple[float, int]], float, int]:
     """Run engine steps under the profiler while more() is true: (device ms per group, device ms and
     launches per kernel name, wall ms, steps), totals over the steps."""
     torch.cuda.synchronize()
@@ -75,12 +77,21 @@ def profiled(engine: Engine, more: Callable[[], object]) -> tuple[dict[str, floa
     return (*kernel_times(prof), wall, steps)
 
 
-def report(title: str, groups: dict[str, float], kernels: dict[str, tuple[float, int]], wall: float,
-           steps: int, top: int, per: str = "step") -> None:
+def report(
+    title: str,
+    groups: dict[str, float],
+    kernels: dict[str, tuple[float, int]],
+    wall: float,
+    steps: int,
+    top: int,
+    per: str = "step",
+) -> None:
     """Print device time per group and the top kernels, divided by `steps` (per="run": steps=1)."""
     device = sum(groups.values())
-    print(f"\n== {title}: {steps} steps, wall {wall / steps:.3f} ms/{per}, device busy {device / steps:.3f} "
-          f"ms/{per} ({device / wall:.0%})")
+    print(
+        f"\n== {title}: {steps} steps, wall {wall / steps:.3f} ms/{per}, device busy {device / steps:.3f} "
+        f"ms/{per} ({device / wall:.0%})"
+    )
     for name, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"  {name:28s} {ms / steps:9.3f} ms/{per}  {ms / device:6.1%}")
     print(f"  top kernels (ms/{per}, launches/{per}):")
@@ -101,19 +112,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top", type=int, default=15, help="kernels listed per table")
     args = ap.parse_args(argv)
 
-    engine = Engine(model_path=args.model, load_format="dummy", dtype="bfloat16", kv_memory_gb=40.0,
-                    max_running_requests=args.batch, cuda_graph_max_bs=args.batch,
-                    disable_cuda_graph=args.no_graphs, chunked_prefill_size=args.chunked_prefill_size,
-                    enable_torch_compile=args.enable_torch_compile, torch_compile_max_bs=args.batch,
-                    attention_backend=args.attention_backend, disable_overlap_schedule=True)
+    engine = Engine(
+        model_path=args.model,
+        load_format="dummy",
+        dtype="bfloat16",
+        kv_memory_gb=40.0,
+        max_running_requests=args.batch,
+        cuda_graph_max_bs=args.batch,
+        disable_cuda_graph=args.no_graphs,
+        chunked_prefill_size=args.chunked_prefill_size,
+        enable_torch_compile=args.enable_torch_compile,
+        torch_compile_max_bs=args.batch,
+        attention_backend=args.attention_backend,
+        disable_overlap_schedule=True,
+    )
     rng = random.Random(0)
     vocab = engine.model_runner.vocab_size
 
     def add_batch(max_new_tokens: int) -> None:
         params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
         for _ in range(args.batch):
-            engine.add_request(input_ids=[rng.randrange(vocab) for _ in range(args.context)],
-                               sampling_params=params)
+            engine.add_request(input_ids=[rng.randrange(vocab) for _ in range(args.context)], sampling_params=params)
 
     add_batch(4)  # warm-up: Triton variants and graphs at the profiled shapes
     engine.run_until_done()
@@ -122,8 +141,9 @@ def main(argv: list[str] | None = None) -> None:
         pass  # the profiler's first start is slow; keep it out of the numbers
 
     add_batch(args.steps + 8)  # small reservations: the whole batch is admitted before decoding
-    groups, kernels, wall, chunks = profiled(engine, lambda: engine.scheduler.waiting_queue
-                                             or engine.scheduler.chunked_req)
+    groups, kernels, wall, chunks = profiled(
+        engine, lambda: engine.scheduler.waiting_queue or engine.scheduler.chunked_req
+    )
     chunk = engine.scheduler.chunked_prefill_size
     report(f"prompt chunks of <= {chunk} tokens", groups, kernels, wall, chunks, args.top)
     stop = engine.scheduler.step_id + args.steps

@@ -10,6 +10,7 @@ server in between. Arrivals are a seeded Poisson process (--request-rate; inf se
 most --max-concurrency requests in flight. Random and shared-prefix prompts are token ids with exact
 lengths and EOS ignored; multiturn prompts are chat messages from data/multiturn_chat.json, capped by
 --multiturn-max-tokens. --output-file appends one JSON object (args, metrics, errors) per run as a line."""
+
 from __future__ import annotations
 
 import argparse
@@ -69,10 +70,15 @@ def compute_metrics(outputs: list[RequestOutput], duration: float) -> BenchMetri
     n_in = sum(o.prompt_len for o in done)
     n_out = sum(o.output_len for o in done)
     return BenchMetrics(
-        completed=len(done), failed=len(outputs) - len(done), duration_s=duration,
-        total_input_tokens=n_in, total_output_tokens=n_out,
-        request_throughput=len(done) / duration, input_throughput=n_in / duration,
-        output_throughput=n_out / duration, total_throughput=(n_in + n_out) / duration,
+        completed=len(done),
+        failed=len(outputs) - len(done),
+        duration_s=duration,
+        total_input_tokens=n_in,
+        total_output_tokens=n_out,
+        request_throughput=len(done) / duration,
+        input_throughput=n_in / duration,
+        output_throughput=n_out / duration,
+        total_throughput=(n_in + n_out) / duration,
         ttft_ms=Stats.of_ms([o.ttft for o in done]),
         tpot_ms=Stats.of_ms([(o.latency - o.ttft) / (o.output_len - 1) for o in done if o.output_len > 1]),
         itl_ms=Stats.of_ms([gap for o in done for gap in o.itl]),
@@ -81,13 +87,17 @@ def compute_metrics(outputs: list[RequestOutput], duration: float) -> BenchMetri
 
 
 def format_metrics(m: BenchMetrics, title: str) -> str:
-    rows = [("Completed requests", m.completed), ("Failed requests", m.failed),
-            ("Duration (s)", f"{m.duration_s:.2f}"), ("Total input tokens", m.total_input_tokens),
-            ("Total output tokens", m.total_output_tokens),
-            ("Request throughput (req/s)", f"{m.request_throughput:.2f}"),
-            ("Input token throughput (tok/s)", f"{m.input_throughput:.2f}"),
-            ("Output token throughput (tok/s)", f"{m.output_throughput:.2f}"),
-            ("Total token throughput (tok/s)", f"{m.total_throughput:.2f}")]
+    rows = [
+        ("Completed requests", m.completed),
+        ("Failed requests", m.failed),
+        ("Duration (s)", f"{m.duration_s:.2f}"),
+        ("Total input tokens", m.total_input_tokens),
+        ("Total output tokens", m.total_output_tokens),
+        ("Request throughput (req/s)", f"{m.request_throughput:.2f}"),
+        ("Input token throughput (tok/s)", f"{m.input_throughput:.2f}"),
+        ("Output token throughput (tok/s)", f"{m.output_throughput:.2f}"),
+        ("Total token throughput (tok/s)", f"{m.total_throughput:.2f}"),
+    ]
     for name, s in (("TTFT", m.ttft_ms), ("TPOT", m.tpot_ms), ("ITL", m.itl_ms), ("E2E latency", m.e2e_ms)):
         rows += [(f"{stat} {name} (ms)", f"{getattr(s, stat.lower()):.2f}") for stat in ("Mean", "Median", "P99")]
     return "\n".join([f" {title} ".center(52, "="), *(f"{k + ':':<40}{v:>12}" for k, v in rows), "=" * 52])
@@ -95,12 +105,24 @@ def format_metrics(m: BenchMetrics, title: str) -> str:
 
 def build_requests(args: argparse.Namespace, tokenizer: Any, vocab_size: int) -> list[datasets.BenchRequest]:
     if args.dataset == "random":
-        return datasets.random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                                        args.random_range_ratio, vocab_size, args.seed)
+        return datasets.random_requests(
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            vocab_size,
+            args.seed,
+        )
     if args.dataset == "shared-prefix":
-        return datasets.shared_prefix_requests(args.gsp_num_groups, args.gsp_prompts_per_group,
-                                               args.gsp_system_prompt_len, args.gsp_question_len,
-                                               args.gsp_output_len, vocab_size, args.seed)
+        return datasets.shared_prefix_requests(
+            args.gsp_num_groups,
+            args.gsp_prompts_per_group,
+            args.gsp_system_prompt_len,
+            args.gsp_question_len,
+            args.gsp_output_len,
+            vocab_size,
+            args.seed,
+        )
     return datasets.multiturn_requests(tokenizer, args.multiturn_max_tokens, args.num_prompts, args.multiturn_file)
 
 
@@ -112,16 +134,24 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[RequestOutput], float]:
     from labkit import Engine
 
     # the engine options are the EngineConfig fields parse_args adds under their own names
-    engine = Engine(EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-                                    if hasattr(args, f.name)}))
+    engine = Engine(
+        EngineConfig(
+            **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+        )
+    )
     requests = build_requests(args, engine.tokenizer, engine.model_runner.vocab_size)
     if args.warmup_requests:
         warm, _ = run_engine(engine, requests[:1] * args.warmup_requests, [0.0] * args.warmup_requests)
         _check_warmup(warm)
         engine.flush_cache()  # the warm-up prompt must not give the first real request a cache hit
     with progress(args, len(requests)) as bar:
-        return run_engine(engine, requests, arrival_times(len(requests), args.request_rate, args.seed),
-                          args.max_concurrency, lambda: bar.update(1))
+        return run_engine(
+            engine,
+            requests,
+            arrival_times(len(requests), args.request_rate, args.seed),
+            args.max_concurrency,
+            lambda: bar.update(1),
+        )
 
 
 async def bench_http(args: argparse.Namespace) -> tuple[list[RequestOutput], float]:
@@ -142,9 +172,14 @@ async def bench_http(args: argparse.Namespace) -> tuple[list[RequestOutput], flo
         if args.flush_cache:
             (await client.post(args.base_url.rstrip("/") + "/flush_cache", headers=target.headers)).raise_for_status()
         with progress(args, len(requests)) as bar:
-            return await run_http(client, target, requests,
-                                  arrival_times(len(requests), args.request_rate, args.seed),
-                                  args.max_concurrency, lambda: bar.update(1))
+            return await run_http(
+                client,
+                target,
+                requests,
+                arrival_times(len(requests), args.request_rate, args.seed),
+                args.max_concurrency,
+                lambda: bar.update(1),
+            )
 
 
 def _check_warmup(outputs: list[RequestOutput]) -> None:
@@ -160,13 +195,20 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
     add = ap.add_argument
-    add("--backend", choices=["openai", "openai-chat", "engine"], default="openai",
-        help="/v1/completions, /v1/chat/completions, or labkit's in-process Engine")
+    add(
+        "--backend",
+        choices=["openai", "openai-chat", "engine"],
+        default="openai",
+        help="/v1/completions, /v1/chat/completions, or labkit's in-process Engine",
+    )
     add("--base-url", default="http://127.0.0.1:30000", help="server root (HTTP backends)")
     add("--model", help="model name to send; None: the first of GET /v1/models")
     add("--api-key", help="sent as a Bearer token")
-    add("--tokenizer", help="HF directory to build and count prompts with (HTTP backends); "
-        "None: the embedded SmolLM2's. The engine backend uses the engine's")
+    add(
+        "--tokenizer",
+        help="HF directory to build and count prompts with (HTTP backends); "
+        "None: the embedded SmolLM2's. The engine backend uses the engine's",
+    )
     add("--flush-cache", action="store_true", help="POST /flush_cache after the warm-up (HTTP backends)")
     add("--dataset", choices=["random", "shared-prefix", "multiturn"], default="random", help="workload")
     add("--num-prompts", type=int, default=100, help="random: requests; multiturn: at most this many")
@@ -188,16 +230,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--disable-tqdm", action="store_true", help="no progress bar")
     eng = ap.add_argument_group("engine backend (fields of labkit.config.EngineConfig)")
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    eng.add_argument("--model-path", default=defaults["model_path"],
-                     help="HF dir, or with --load-format dummy a config under data/configs; None: embedded")
-    eng.add_argument("--load-format", choices=["auto", "dummy"], default=defaults["load_format"],
-                     help="dummy: random weights")
-    eng.add_argument("--schedule-policy", choices=sorted(POLICIES), default=defaults["schedule_policy"],
-                     help="waiting-queue order")
+    eng.add_argument(
+        "--model-path",
+        default=defaults["model_path"],
+        help="HF dir, or with --load-format dummy a config under data/configs; None: embedded",
+    )
+    eng.add_argument(
+        "--load-format", choices=["auto", "dummy"], default=defaults["load_format"], help="dummy: random weights"
+    )
+    eng.add_argument(
+        "--schedule-policy", choices=sorted(POLICIES), default=defaults["schedule_policy"], help="waiting-queue order"
+    )
     eng.add_argument("--disable-radix-cache", action="store_true", help="no prefix sharing (ChunkCache)")
-    for name, what in (("page_size", "KV page size, tokens"), ("max_total_tokens", "KV pool size, tokens"),
-                       ("max_running_requests", "requests decoded together"),
-                       ("chunked_prefill_size", "prefill chunk, tokens; <= 0: no chunking")):
+    for name, what in (
+        ("page_size", "KV page size, tokens"),
+        ("max_total_tokens", "KV pool size, tokens"),
+        ("max_running_requests", "requests decoded together"),
+        ("chunked_prefill_size", "prefill chunk, tokens; <= 0: no chunking"),
+    ):
         eng.add_argument("--" + name.replace("_", "-"), type=int, default=defaults[name], help=what)
     eng.add_argument("--device", default=defaults["device"], help="cpu, cuda or auto")
     eng.add_argument("--dtype", default=defaults["dtype"], help="float32, bfloat16, float16 or auto")
@@ -215,8 +265,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{count} x {error}")
     # inf (the default request rate) as a string: the line stays strict JSON
     settings = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in vars(args).items()}
-    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "args": settings,
-              "metrics": dataclasses.asdict(metrics), "errors": dict(errors)}
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "args": settings,
+        "metrics": dataclasses.asdict(metrics),
+        "errors": dict(errors),
+    }
     if args.output_file:
         with open(args.output_file, "a") as f:
             f.write(json.dumps(result) + "\n")

@@ -1,4 +1,5 @@
 """Model building blocks shared by all architectures."""
+
 from labkit.layers.activation import SiluAndMul
 from labkit.layers.attention import Attention
 from labkit.layers.logits import LogitsProcessor

@@ -1,4 +1,5 @@
 """Gated MLP activation."""
+
 from __future__ import annotations
 
 import torch

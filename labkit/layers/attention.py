@@ -1,4 +1,5 @@
 """The model-side attention layer: a thin handle that forwards to the batch's attention backend."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -15,20 +16,26 @@ if TYPE_CHECKING:
 class Attention(nn.Module):
     """Paged attention for one layer. q [T, H*D], k, v [T, H_kv*D] -> [T, H*D]."""
 
-    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scaling: float | None = None) -> None:
+    def __init__(
+        self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None
+    ) -> None:
         super().__init__()
         self.spec = AttentionLayerSpec(
-            layer_id=layer_id, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            scaling=head_dim ** -0.5 if scaling is None else scaling,
+            layer_id=layer_id,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            scaling=head_dim**-0.5 if scaling is None else scaling,
         )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         s = self.spec
         return _backend_forward(
-            q.view(-1, s.num_heads, s.head_dim), k.view(-1, s.num_kv_heads, s.head_dim),
-            v.view(-1, s.num_kv_heads, s.head_dim), s, forward_batch,
+            q.view(-1, s.num_heads, s.head_dim),
+            k.view(-1, s.num_kv_heads, s.head_dim),
+            v.view(-1, s.num_kv_heads, s.head_dim),
+            s,
+            forward_batch,
         )
 
 
@@ -36,6 +43,7 @@ class Attention(nn.Module):
 # backends run their own kernels and keep Python state (metadata, per-request loops) that
 # torch.compile would only guard on and recompile for.
 @torch.compiler.disable
-def _backend_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionLayerSpec,
-                     forward_batch: ForwardBatch) -> torch.Tensor:
+def _backend_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionLayerSpec, forward_batch: ForwardBatch
+) -> torch.Tensor:
     return forward_batch.attn_backend.forward(q, k, v, spec, forward_batch)

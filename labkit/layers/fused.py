@@ -4,6 +4,7 @@ On CUDA an eager forward of a small model is bound by kernel launches: RMSNorm w
 add, rotary and SiLU-and-mul are each one Triton kernel instead of three to six torch ops. Under
 torch.compile (--enable-torch-compile) the torch ops stay: inductor fuses them itself. On CPU the
 kernels would run in Triton's interpreter, so the torch ops stay there too."""
+
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,5 @@
 """The logits step: pick each request's last new token and project it onto the vocabulary."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -28,8 +29,7 @@ class LogitsProcessor(nn.Module):
     dtype as the product makes them (bf16 on GPU: half the bytes of a float32 copy, at 150k-token
     vocabularies and batch 256 a measurable share of a decode step); the sampler upcasts as it needs."""
 
-    def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         idx = last_token_indices(forward_batch, hidden.device)
         if idx is not None:
             hidden = hidden.index_select(0, idx)

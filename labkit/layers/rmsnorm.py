@@ -1,4 +1,5 @@
 """RMSNorm, optionally fused with the residual add that precedes it in every decoder layer."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Rotary position embedding, neox style (rotate halves), as in HF Llama / Qwen2 / Qwen3."""
+
 from __future__ import annotations
 
 import math
@@ -32,7 +33,7 @@ def compute_inv_freq(head_dim: int, params: dict[str, Any], max_position: int) -
     base = float(params["rope_theta"])
     # Explicit CPU device: models are built under torch.device("meta"), and this must be real.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (base ** exponents)
+    inv_freq = 1.0 / (base**exponents)
     rope_type = params["rope_type"]
     if rope_type == "default":
         return inv_freq
@@ -74,8 +75,10 @@ class RotaryEmbedding(nn.Module):
         per layer. The sin's first half is negated so that rotate_half becomes a flip (see apply_rope)."""
         freqs = self._angles(positions)
         cos, sin = freqs.cos(), freqs.sin()
-        return (torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype),
-                torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype))
+        return (
+            torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype),
+            torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype),
+        )
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
         """One forward's rotary inputs for every layer: cos/sin for the torch ops, or on CUDA one
@@ -90,9 +93,7 @@ class RotaryEmbedding(nn.Module):
         table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
         return RopeInputs(table=table, rows=torch.arange(table.shape[0], device=table.device))
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.prepare(positions, q.dtype).apply(q, k)
 
 
@@ -104,8 +105,9 @@ class RopeInputs:
     table: torch.Tensor | None = None
     rows: torch.Tensor | None = None
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None,
-              k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(
+        self, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rope on q [T, H, D] and k [T, H_kv, D]. With q_norm and k_norm (Qwen3), each head is
         RMS-normalized first; on CUDA in the same kernel, which reads the strided q/k views as they are."""
         if self.table is None:
@@ -117,8 +119,9 @@ class RopeInputs:
             return rotary_embedding(self.rows, q, k, self.table)
         if q_norm.eps != k_norm.eps:
             raise ValueError("the fused q/k norm takes one eps for both")
-        return rotary_embedding(self.rows, q, k, self.table, norm_weights=(q_norm.weight, k_norm.weight),
-                                eps=q_norm.eps)
+        return rotary_embedding(
+            self.rows, q, k, self.table, norm_weights=(q_norm.weight, k_norm.weight), eps=q_norm.eps
+        )
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -128,8 +131,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     return torch.addcmul(x * cos, halves, signed_sin)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               signed_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding on q [T, H, D] and k [T, H_kv, D] with RotaryEmbedding.cos_sin's output."""
     return _rope(q, cos, signed_sin), _rope(k, cos, signed_sin)
 

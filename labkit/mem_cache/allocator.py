@@ -5,6 +5,7 @@ tokens write there), so pages 1..size//P are the usable ones. A request's positi
 order: position j sits in the slot after position j-1 when j % P != 0, and at the first slot of a
 fresh page when j % P == 0. Attention kernels rely on that layout to address KV page by page.
 """
+
 from __future__ import annotations
 
 import torch
@@ -59,8 +60,7 @@ class TokenToKVPoolAllocator:
         self._is_free.index_fill_(0, pages, False)
         return pages
 
-    def alloc_extend(self, prefix_lens: list[int], seq_lens: list[int],
-                     last_locs: list[int]) -> torch.Tensor | None:
+    def alloc_extend(self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
         """Slots for positions prefix_lens[i]..seq_lens[i]-1 of each request, concatenated in request
         order (int64). last_locs[i] is the slot of position prefix_lens[i]-1; it is read only when
         prefix_lens[i] % page_size != 0 (the request's last page still has room). None, with nothing
@@ -98,8 +98,12 @@ class TokenToKVPoolAllocator:
             meta.append((p - start, opens, last - p + 1, first_page - opens // P))
             start += e
             first_page += k
-        per_tok = torch.repeat_interleave(torch.tensor(meta, dtype=torch.int64, device=self.device),
-                                          torch.tensor(ext, device=self.device), dim=0, output_size=total)
+        per_tok = torch.repeat_interleave(
+            torch.tensor(meta, dtype=torch.int64, device=self.device),
+            torch.tensor(ext, device=self.device),
+            dim=0,
+            output_size=total,
+        )
         pos = torch.arange(total, device=self.device) + per_tok[:, 0]
         out = pos + per_tok[:, 2]
         if need:

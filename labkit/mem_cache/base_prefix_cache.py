@@ -5,6 +5,7 @@ allocator's free list, the cache (a tree node's value), or a running request (it
 the part it shares with the cache). The methods below move slots between these places and never
 lose or duplicate one.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

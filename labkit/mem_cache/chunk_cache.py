@@ -1,6 +1,7 @@
 """ChunkCache: the prefix cache interface with no sharing (--disable-radix-cache). Every request
 keeps its own KV until it finishes; chunked prefill still works because cache_unfinished_req
 records the chunks computed so far as the request's prefix."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -18,8 +19,9 @@ class ChunkCache(BasePrefixCache):
 
     root = None
 
-    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool_allocator: TokenToKVPoolAllocator,
-                 page_size: int):
+    def __init__(
+        self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool_allocator: TokenToKVPoolAllocator, page_size: int
+    ):
         self.req_to_token_pool = req_to_token_pool
         self.allocator = token_to_kv_pool_allocator
         self.page_size = page_size
@@ -34,11 +36,11 @@ class ChunkCache(BasePrefixCache):
         return 0
 
     def cache_finished_req(self, req: CacheableReq) -> None:
-        self.allocator.free(self.req_to_token_pool.host[req.req_pool_idx, :req.kv_len])
+        self.allocator.free(self.req_to_token_pool.host[req.req_pool_idx, : req.kv_len])
         self.req_to_token_pool.free(req.req_pool_idx)
 
     def cache_unfinished_req(self, req: CacheableReq) -> None:
-        req.prefix_indices = self.req_to_token_pool.host[req.req_pool_idx, :req.kv_len].clone()
+        req.prefix_indices = self.req_to_token_pool.host[req.req_pool_idx, : req.kv_len].clone()
 
     def inc_lock_ref(self, node: Any) -> None:
         pass

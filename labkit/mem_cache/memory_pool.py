@@ -1,5 +1,6 @@
 """The two memory pools: request slots (ReqToTokenPool) and per-layer KV storage (TokenToKVPool).
 KV slot allocation is the allocator's job (allocator.py); these classes only own the tensors."""
+
 from __future__ import annotations
 
 import torch
@@ -19,7 +20,9 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.device = torch.device(device)
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
-        self.host = self.req_to_token if self.device.type == "cpu" else torch.zeros_like(self.req_to_token, device="cpu")
+        self.host = (
+            self.req_to_token if self.device.type == "cpu" else torch.zeros_like(self.req_to_token, device="cpu")
+        )
         self.free_slots: list[int] = list(range(size))
 
     def write(self, rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor) -> None:
@@ -56,8 +59,16 @@ class TokenToKVPool:
     """K and V tensors per layer, [num_slots, num_kv_heads, head_dim]. The first page (slots
     0..page_size-1) is never handed out: padded tokens write there, so no real KV is overwritten."""
 
-    def __init__(self, size: int, page_size: int, dtype: torch.dtype, num_layers: int,
-                 num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+    ):
         self.size = size  # usable slots, excluding the reserved first page
         self.page_size = page_size
         self.dtype = dtype

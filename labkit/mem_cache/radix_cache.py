@@ -4,6 +4,7 @@ Children are keyed by the first page of the child's key (the first token when pa
 with page_size > 1 every key, match and split is page-aligned: two sequences that differ inside a
 page share nothing of that page.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -24,8 +25,9 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 class TreeNode:
     __slots__ = ("id", "parent", "children", "key", "value", "lock_ref", "last_access_time")
 
-    def __init__(self, node_id: int, parent: TreeNode | None, key: list[int], value: torch.Tensor,
-                 last_access_time: int):
+    def __init__(
+        self, node_id: int, parent: TreeNode | None, key: list[int], value: torch.Tensor, last_access_time: int
+    ):
         self.id = node_id
         self.parent = parent
         self.children: dict[int | tuple[int, ...], TreeNode] = {}
@@ -52,9 +54,13 @@ def _common_len(a: list[int], b: list[int]) -> int:
 
 
 class RadixCache(BasePrefixCache):
-    def __init__(self, req_to_token_pool: ReqToTokenPool,
-                 token_to_kv_pool_allocator: TokenToKVPoolAllocator, page_size: int,
-                 on_event: EventHook | None = None):
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator,
+        page_size: int,
+        on_event: EventHook | None = None,
+    ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.req_to_token_pool = req_to_token_pool
@@ -72,12 +78,20 @@ class RadixCache(BasePrefixCache):
         self._protected = 0
 
     def _child_key(self, key: list[int], pos: int) -> int | tuple[int, ...]:
-        return key[pos] if self.page_size == 1 else tuple(key[pos:pos + self.page_size])
+        return key[pos] if self.page_size == 1 else tuple(key[pos : pos + self.page_size])
 
     def _emit(self, kind: str, node: TreeNode, parent: TreeNode | None) -> None:
         assert self.on_event is not None  # internal: callers check first, so tracing off is free
-        self.on_event(TreeEvent(kind, time.perf_counter(), node.id,
-                                parent.id if parent is not None else None, len(node.key), list(node.key)))
+        self.on_event(
+            TreeEvent(
+                kind,
+                time.perf_counter(),
+                node.id,
+                parent.id if parent is not None else None,
+                len(node.key),
+                list(node.key),
+            )
+        )
 
     # ---- lookup / insert ----
 
@@ -93,7 +107,7 @@ class RadixCache(BasePrefixCache):
             if child is None:
                 break
             # n >= page_size: the child was found by its first page.
-            n = _common_len(child.key, key[pos:pos + len(child.key)])
+            n = _common_len(child.key, key[pos : pos + len(child.key)])
             n -= n % self.page_size
             partial = n < len(child.key)
             if partial:
@@ -106,7 +120,7 @@ class RadixCache(BasePrefixCache):
         return node, pos, values
 
     def match_prefix(self, key: list[int]) -> MatchResult:
-        key = key[:len(key) - len(key) % self.page_size]
+        key = key[: len(key) - len(key) % self.page_size]
         node, _, values = self._walk(key)
         return MatchResult(torch.cat(values) if values else self._empty, node)
 
@@ -118,8 +132,9 @@ class RadixCache(BasePrefixCache):
         node, pos, _ = self._walk(key)
         if pos < len(key):
             # Own copy: callers pass views of req_to_token rows, which are rewritten later.
-            leaf = TreeNode(next(self._ids), node, key[pos:], value[pos:].to(torch.int64).clone(),
-                            node.last_access_time)
+            leaf = TreeNode(
+                next(self._ids), node, key[pos:], value[pos:].to(torch.int64).clone(), node.last_access_time
+            )
             node.children[self._child_key(key, pos)] = leaf
             self._evictable += len(leaf.key)
             if self.on_event is not None:
@@ -177,7 +192,7 @@ class RadixCache(BasePrefixCache):
         self.req_to_token_pool.write_row(req.req_pool_idx, 0, shared)
         self.inc_lock_ref(match.last_node)
         self.dec_lock_ref(req.last_node)
-        req.prefix_indices = torch.cat((shared, kv[shared.numel():]))
+        req.prefix_indices = torch.cat((shared, kv[shared.numel() :]))
         req.last_node = match.last_node
 
     # ---- locks and sizes ----

@@ -19,6 +19,7 @@ single call. A graph replays fixed addresses and fixed shapes, so:
 
 Extend and mixed forwards, and decode batches larger than the largest captured size, run eagerly.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -72,6 +73,7 @@ class CudaGraphRunner:
         # Raises NotImplementedError when the backend cannot be captured (the caller handles it).
         self.attn_backend.init_cuda_graph_state(self.max_bs)
         with torch.inference_mode():
+
             def buf(fill: int) -> torch.Tensor:
                 return torch.full((self.max_bs,), fill, dtype=torch.int64, device=self.device)
 
@@ -83,18 +85,29 @@ class CudaGraphRunner:
         if use_cuda_graph:
             start = time.perf_counter()
             self.capture()
-            logger.info("captured %d CUDA graphs for decode batches of 1..%d in %.1f s",
-                        len(self.graphs), self.max_bs, time.perf_counter() - start)
+            logger.info(
+                "captured %d CUDA graphs for decode batches of 1..%d in %.1f s",
+                len(self.graphs),
+                self.max_bs,
+                time.perf_counter() - start,
+            )
 
     def _static_batch(self, model_runner: ModelRunner, bs: int) -> ForwardBatch:
         """The DECODE ForwardBatch of the first bs rows of the static buffers. The *_cpu lists are
         placeholders: nothing on the graph path may read them."""
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
-            positions=self.positions[:bs], req_pool_indices=self.req_pool_indices[:bs],
-            seq_lens=self.seq_lens[:bs], out_cache_loc=self.out_cache_loc[:bs], seq_lens_cpu=[1] * bs,
-            extend_prefix_lens_cpu=[0] * bs, extend_seq_lens_cpu=[1] * bs,
-            req_to_token_pool=model_runner.req_to_token_pool, token_to_kv_pool=model_runner.token_to_kv_pool,
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            seq_lens_cpu=[1] * bs,
+            extend_prefix_lens_cpu=[0] * bs,
+            extend_seq_lens_cpu=[1] * bs,
+            req_to_token_pool=model_runner.req_to_token_pool,
+            token_to_kv_pool=model_runner.token_to_kv_pool,
             attn_backend=self.attn_backend,
         )
 

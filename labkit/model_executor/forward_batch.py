@@ -1,5 +1,6 @@
 """ForwardBatch: everything one model forward needs, as tensors. Built by the ModelRunner from a
 ScheduleBatch and passed explicitly down through the model into the attention backend."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """ModelRunner: loads the model, sizes and owns the memory pools, and runs forward + sampling."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,7 @@ from labkit.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from labkit.model_executor.cuda_graph_runner import CudaGraphRunner
 from labkit.model_executor.forward_batch import ForwardBatch
 from labkit.model_loader.loader import load_model
-from labkit.sampling.sampler import Sampler, SamplingBatchInfo, SampleOutput
-
+from labkit.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +112,9 @@ class ModelRunner:
         backend_cls = get_attention_backend(self.attention_backend)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.random_seed)
-        self.model, self.hf_config = load_model(config.model_path, config.load_format, self.dtype,
-                                                self.device, seed=config.random_seed)
+        self.model, self.hf_config = load_model(
+            config.model_path, config.load_format, self.dtype, self.device, seed=config.random_seed
+        )
         if self.device.type == "cpu":
             use_column_major_linears(self.model)
         cfg = self.hf_config
@@ -122,8 +123,14 @@ class ModelRunner:
         self.eos_token_ids = eos_ids_of(cfg, tokenizer, model_dir)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.token_to_kv_pool = TokenToKVPool(
-            self._pool_size(cfg, head_dim), config.page_size, self.dtype, cfg.num_hidden_layers,
-            cfg.num_key_value_heads, head_dim, self.device)
+            self._pool_size(cfg, head_dim),
+            config.page_size,
+            self.dtype,
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            head_dim,
+            self.device,
+        )
         # The free list lives on the host: the scheduler allocates without waiting for the GPU.
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.token_to_kv_pool.size, config.page_size)
         # +2: the request being chunk-prefilled and one being admitted can hold slots beside the cap.
@@ -131,10 +138,18 @@ class ModelRunner:
         # The token each request slot sampled last. A decode input the host does not know yet (overlap
         # scheduling: the previous step is still running) is a placeholder read from here on the device.
         self.last_token_ids = torch.zeros(self.req_to_token_pool.size, dtype=torch.int64, device=self.device)
-        self.attn_backend = backend_cls(AttentionBackendConfig(
-            num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
-            page_size=config.page_size, max_context_len=self.context_len,
-            max_batch_size=config.max_running_requests, dtype=self.dtype, device=self.device))
+        self.attn_backend = backend_cls(
+            AttentionBackendConfig(
+                num_heads=cfg.num_attention_heads,
+                num_kv_heads=cfg.num_key_value_heads,
+                head_dim=head_dim,
+                page_size=config.page_size,
+                max_context_len=self.context_len,
+                max_batch_size=config.max_running_requests,
+                dtype=self.dtype,
+                device=self.device,
+            )
+        )
         self.sampler = Sampler()
         # Shapes specialize at first and turn dynamic on the first recompile (torch's default).
         self.compiled_model = torch.compile(self.model) if config.enable_torch_compile else None
@@ -173,12 +188,18 @@ class ModelRunner:
         if min(batch.input_ids) < 0:
             input_ids = torch.where(input_ids < 0, self.last_token_ids[future_slot(input_ids)], input_ids)
         return ForwardBatch(
-            forward_mode=batch.forward_mode, batch_size=len(batch.reqs),
-            input_ids=input_ids, positions=positions,
-            req_pool_indices=req_pool_indices, seq_lens=seq_lens_t,
-            out_cache_loc=batch.out_cache_loc.to(self.device, non_blocking=True), seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=batch.prefix_lens, extend_seq_lens_cpu=batch.extend_lens,
-            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
+            forward_mode=batch.forward_mode,
+            batch_size=len(batch.reqs),
+            input_ids=input_ids,
+            positions=positions,
+            req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens_t,
+            out_cache_loc=batch.out_cache_loc.to(self.device, non_blocking=True),
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=batch.prefix_lens,
+            extend_seq_lens_cpu=batch.extend_lens,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=self.token_to_kv_pool,
             attn_backend=self.attn_backend,
         )
 

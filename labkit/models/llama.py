@@ -3,9 +3,11 @@
 Differences between the three are constructor switches: qkv / o_proj bias and per-head q/k RMSNorm.
 q/k/v and gate/up projections are fused into one matmul each; `load_weights` stacks HF's separate
 weights into them."""
+
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,8 +38,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, rope: RopeInputs, hidden: torch.Tensor,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, rope: RopeInputs, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -65,8 +66,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None,
-                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add is fused into the next norm: (norm(h + r), h + r).
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
@@ -83,13 +85,11 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = get_rope(head_dim_of(config), config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm)
-            for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb.prepare(positions, hidden.dtype)  # shared by all layers
         for layer in self.layers:
@@ -100,8 +100,11 @@ class LlamaModel(nn.Module):
 
 # HF name fragment -> (fused labkit parameter fragment, shard index in the fused output dim).
 _STACKED = {
-    ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
-    ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
 }
 
 
@@ -125,13 +128,13 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias, o_bias = self.attention_biases(config)
         self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = (None if self.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.lm_head = (
+            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
         self.logits_processor = LogitsProcessor()
         self.to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(input_ids, positions, forward_batch)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return self.logits_processor(hidden, head, forward_batch)
@@ -159,8 +162,7 @@ class LlamaForCausalLM(nn.Module):
                 continue  # rope is recomputed; a tied head has no tensor of its own
             target, offset, rows = self._shard(name)
             if target not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in "
-                               f"{type(self).__name__}")
+                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             param = params[target]
             dst = param.data if rows < 0 else param.data.narrow(0, offset, rows)
             if dst.shape != tensor.shape:

@@ -1,4 +1,5 @@
 """Qwen2 / Qwen2.5: the Llama decoder with biases on q/k/v (not on o_proj)."""
+
 from __future__ import annotations
 
 from typing import Any

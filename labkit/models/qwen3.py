@@ -1,4 +1,5 @@
 """Qwen3: the Llama decoder with per-head RMSNorm on q and k before rope (no qkv bias by default)."""
+
 from __future__ import annotations
 
 from labkit.models.llama import LlamaForCausalLM

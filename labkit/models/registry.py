@@ -1,7 +1,9 @@
 """Model registry: HF `architectures` name -> labkit model class. Adding a model = one decorated class."""
+
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from torch import nn
 
@@ -31,6 +33,4 @@ def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
     for arch in architectures or []:
         if arch in _MODELS:
             return _MODELS[arch]
-    raise ValueError(
-        f"unsupported model architecture {architectures!r}; labkit supports: {', '.join(supported)}"
-    )
+    raise ValueError(f"unsupported model architecture {architectures!r}; labkit supports: {', '.join(supported)}")

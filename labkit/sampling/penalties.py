@@ -7,7 +7,6 @@ in the batch uses it, so a plain batch pays nothing.
 from __future__ import annotations
 
 import itertools
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -31,9 +30,7 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def _index_tensors(
-    rows_of_ids: Sequence[Sequence[int]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _index_tensors(rows_of_ids: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Flatten per-row id lists into (row index, token id) tensors for scatter/index ops."""
     lengths = torch.tensor([len(ids) for ids in rows_of_ids], dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(len(rows_of_ids)), lengths)
@@ -79,8 +76,7 @@ class Penalties:
             pen.repetition = column([p.repetition_penalty for p in params])
             # Only rows with a penalty need their history scattered; others keep an all-False row.
             hist = [
-                (r.origin_input_ids + r.output_ids) if r.sampling_params.repetition_penalty != 1 else []
-                for r in reqs
+                (r.origin_input_ids + r.output_ids) if r.sampling_params.repetition_penalty != 1 else [] for r in reqs
             ]
             rows, cols = _index_tensors(hist, device)
             pen.seen_mask = torch.zeros(bs, vocab_size, dtype=torch.bool, device=device)

@@ -135,9 +135,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         """Pick one token per row; ``logits`` (``[bs, vocab]``, any float dtype) is not modified."""
         if logits.shape != (info.batch_size, info.vocab_size):
-            raise ValueError(
-                f"logits must be [{info.batch_size}, {info.vocab_size}], got {list(logits.shape)}"
-            )
+            raise ValueError(f"logits must be [{info.batch_size}, {info.vocab_size}], got {list(logits.shape)}")
         # Greedy rows need no float32 copy: the upcast is exact, so the argmax is the same. Anything
         # that computes on the scores (penalties, softmax, logprobs) works in float32.
         if not (info.all_greedy and info.penalties is None and info.banned is None and not info.need_logprobs):

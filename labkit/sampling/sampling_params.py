@@ -88,8 +88,7 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(
-                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
-                f"got {self.min_new_tokens}"
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
             )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
@@ -112,17 +111,19 @@ class SamplingParams:
             if not 0 <= t < vocab_size:
                 raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary [0, {vocab_size})")
         if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise ValueError(
-                f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}"
-            )
+            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
 
     def _verify_types(self) -> None:
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "top_logprobs_num"):
             if not _is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
         for name in (
-            "temperature", "top_p", "min_p",
-            "frequency_penalty", "presence_penalty", "repetition_penalty",
+            "temperature",
+            "top_p",
+            "min_p",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
         ):
             v = getattr(self, name)
             if not _is_number(v) or not math.isfinite(v):

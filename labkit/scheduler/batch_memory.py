@@ -1,5 +1,6 @@
 """KV memory for a batch: request slots, KV slots (evicting from the cache when short) and the
 req_to_token rows. The scheduler calls these; the pools and the cache stay the owners of their state."""
+
 from __future__ import annotations
 
 import torch

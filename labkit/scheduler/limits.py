@@ -1,6 +1,7 @@
 """RequestLimits: what a request must satisfy to enter the scheduler. The scheduler checks it on
 add_request; the server's TokenizerManager checks the same limits before sending, so bad input is
 answered with a 400 in the main process instead of travelling to the scheduler first."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -6,6 +6,7 @@ of all_ids[:kv_len]. Of those, the first len(prefix_indices) are the prefix the 
 start of its next extend (shared tree slots first). A decoding request has kv_len == len(all_ids) - 1:
 its last sampled token is the next input.
 """
+
 from __future__ import annotations
 
 import time

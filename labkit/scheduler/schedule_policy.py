@@ -6,12 +6,14 @@ Adding a policy is one registered class:
     class MyPolicy(SchedulePolicy):
         def sort(self, waiting, tree_cache): waiting.sort(key=...)
 """
+
 from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 from labkit.scheduler.batch_memory import new_slots_needed
 from labkit.scheduler.schedule_batch import Req
@@ -140,9 +142,17 @@ class PrefillAdder:
     Every request it turns away gets a reason in `blocked`, which the trace records.
     """
 
-    def __init__(self, tree_cache, allocator, running: list[Req], new_token_ratio: float,
-                 max_prefill_tokens: int, chunked_prefill_size: int | None, page_size: int,
-                 mixed_decode_tokens: int = 0):
+    def __init__(
+        self,
+        tree_cache,
+        allocator,
+        running: list[Req],
+        new_token_ratio: float,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int | None,
+        page_size: int,
+        mixed_decode_tokens: int = 0,
+    ):
         self.tree_cache = tree_cache
         self.allocator = allocator
         self.page_size = page_size

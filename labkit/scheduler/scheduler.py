@@ -4,6 +4,7 @@ recv_requests/process_input_requests (add_request, abort_request) -> get_next_ba
 run_batch -> process_batch_result. `step()` does one iteration and returns a StepOutput; the
 Engine drives it in-process, the server's scheduler process in its event loop.
 """
+
 from __future__ import annotations
 
 import time
@@ -18,8 +19,8 @@ from labkit.mem_cache.radix_cache import RadixCache
 from labkit.model_executor.forward_batch import ForwardMode
 from labkit.model_executor.model_runner import HostSample, future_token
 from labkit.sampling.sampler import SampleOutput
-from labkit.scheduler.limits import RequestLimits
 from labkit.scheduler.batch_memory import alloc_for_decode, alloc_for_extend, decode_slots_needed
+from labkit.scheduler.limits import RequestLimits
 from labkit.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
 from labkit.scheduler.schedule_policy import PrefillAdder, make_policy
 from labkit.trace.events import PoolUsage, Station, StepRecord
@@ -27,6 +28,8 @@ from labkit.trace.events import PoolUsage, Station, StepRecord
 INIT_NEW_TOKEN_RATIO = 0.7  # share of max_new_tokens a running request is expected to still need
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002  # per decode step, back towards the minimum after a retraction
+
+
 def default_chunked_prefill_size(device: torch.device) -> int:
     """Prompt tokens per prefill step when --chunked-prefill-size is not given. On an H200 a
     2048-token eager prefill step spent 12.2 ms of host time in its forward call (as long as its GPU
@@ -37,8 +40,12 @@ def default_chunked_prefill_size(device: torch.device) -> int:
 
 def batch_needs_host_history(batch: ScheduleBatch) -> bool:
     """Penalties are built from the output tokens on the host, so they cannot run behind a step."""
-    return any(r.sampling_params.frequency_penalty or r.sampling_params.presence_penalty
-               or r.sampling_params.repetition_penalty != 1 for r in batch.reqs)
+    return any(
+        r.sampling_params.frequency_penalty
+        or r.sampling_params.presence_penalty
+        or r.sampling_params.repetition_penalty != 1
+        for r in batch.reqs
+    )
 
 
 @dataclass
@@ -95,8 +102,9 @@ class Scheduler:
         params = self.limits.check(recv.input_ids, recv.sampling_params)
         if self.find_request(recv.rid) is not None:
             raise ValueError(f"request id {recv.rid!r} is already in use")
-        req = Req(rid=recv.rid, origin_input_ids=list(recv.input_ids), sampling_params=params,
-                  input_text=recv.input_text)
+        req = Req(
+            rid=recv.rid, origin_input_ids=list(recv.input_ids), sampling_params=params, input_text=recv.input_text
+        )
         if recv.created_time:
             req.times["arrival"] = recv.created_time
         self.waiting_queue.append(req)
@@ -186,8 +194,13 @@ class Scheduler:
         self.policy.sort(self.waiting_queue, self.tree_cache)
         mixed = self.config.enable_mixed_chunk and bool(self.running)
         adder = PrefillAdder(
-            self.tree_cache, self.allocator, self.running, self.new_token_ratio,
-            self.config.max_prefill_tokens, self.chunked_prefill_size, self.page_size,
+            self.tree_cache,
+            self.allocator,
+            self.running,
+            self.new_token_ratio,
+            self.config.max_prefill_tokens,
+            self.chunked_prefill_size,
+            self.page_size,
             mixed_decode_tokens=len(self.running) if mixed else 0,
         )
         stopped_at = None
@@ -225,8 +238,14 @@ class Scheduler:
                 req.cached_tokens = len(req.prefix_indices)
                 out.cache_hit_tokens += req.cached_tokens
                 if self.tracer is not None:
-                    self.tracer.station(req.rid, Station.ENQUEUE, req.times["arrival"], now,
-                                        prefix_len=len(req.prefix_indices), input_len=len(req.origin_input_ids))
+                    self.tracer.station(
+                        req.rid,
+                        Station.ENQUEUE,
+                        req.times["arrival"],
+                        now,
+                        prefix_len=len(req.prefix_indices),
+                        input_len=len(req.origin_input_ids),
+                    )
         if mixed:
             self._mix_in_decodes(batch)
         return batch
@@ -312,8 +331,9 @@ class Scheduler:
                 self.tree_cache.cache_unfinished_req(req)
                 self.running.append(req)
 
-    def process_batch_result(self, batch: ScheduleBatch, result: SampleOutput, out: StepOutput,
-                             next_batch: ScheduleBatch | None = None) -> None:
+    def process_batch_result(
+        self, batch: ScheduleBatch, result: SampleOutput, out: StepOutput, next_batch: ScheduleBatch | None = None
+    ) -> None:
         """Put the sampled tokens in place of their placeholders (each still the request's last output
         id) and finish requests. `next_batch` is the batch scheduled after this one (overlap): a request
         finishing now is in it, computing its last token's KV, so that slot is cached with the rest."""
@@ -379,24 +399,60 @@ class Scheduler:
             n = batch.extend_lens[i]
             sl = slice(offset, offset + n)
             offset += n
-            self.tracer.station(req.rid, Station.BATCH, start, start, step=self.step_id,
-                                mode=batch.forward_mode.name, batch_size=len(batch.reqs),
-                                prefix_len=batch.prefix_lens[i], extend_len=n)
-            self.tracer.station(req.rid, Station.FORWARD, start, mid, step=self.step_id,
-                                input_ids=batch.input_ids[sl], positions=batch.positions[sl],
-                                out_cache_loc=loc[sl], req_pool_idx=req.req_pool_idx)
-            self.tracer.station(req.rid, Station.SAMPLE, mid, end, step=self.step_id,
-                                token=int(sample.next_token_ids[i]), discarded=req.is_chunked,
-                                top_ids=top.indices[i].tolist(), top_logits=top.values[i].tolist())
+            self.tracer.station(
+                req.rid,
+                Station.BATCH,
+                start,
+                start,
+                step=self.step_id,
+                mode=batch.forward_mode.name,
+                batch_size=len(batch.reqs),
+                prefix_len=batch.prefix_lens[i],
+                extend_len=n,
+            )
+            self.tracer.station(
+                req.rid,
+                Station.FORWARD,
+                start,
+                mid,
+                step=self.step_id,
+                input_ids=batch.input_ids[sl],
+                positions=batch.positions[sl],
+                out_cache_loc=loc[sl],
+                req_pool_idx=req.req_pool_idx,
+            )
+            self.tracer.station(
+                req.rid,
+                Station.SAMPLE,
+                mid,
+                end,
+                step=self.step_id,
+                token=int(sample.next_token_ids[i]),
+                discarded=req.is_chunked,
+                top_ids=top.indices[i].tolist(),
+                top_logits=top.values[i].tolist(),
+            )
 
     def _trace_step(self, out: StepOutput, start: float) -> None:
-        self.tracer.step(StepRecord(
-            step=out.step, start=start, end=time.perf_counter(), forward_mode=out.forward_mode.name,
-            rids=out.rids, extend_lens=out.extend_lens, prefix_lens=out.prefix_lens,
-            num_tokens=sum(out.extend_lens), cache_hit_tokens=out.cache_hit_tokens,
-            pool=self.pool_usage(), running=len(self.running), waiting=len(self.waiting_queue),
-            chunked_rid=self.chunked_req.rid if self.chunked_req else None,
-            finished=[r.rid for r in out.finished], retracted=out.retracted, blocked=out.blocked,
-        ))
+        self.tracer.step(
+            StepRecord(
+                step=out.step,
+                start=start,
+                end=time.perf_counter(),
+                forward_mode=out.forward_mode.name,
+                rids=out.rids,
+                extend_lens=out.extend_lens,
+                prefix_lens=out.prefix_lens,
+                num_tokens=sum(out.extend_lens),
+                cache_hit_tokens=out.cache_hit_tokens,
+                pool=self.pool_usage(),
+                running=len(self.running),
+                waiting=len(self.waiting_queue),
+                chunked_rid=self.chunked_req.rid if self.chunked_req else None,
+                finished=[r.rid for r in out.finished],
+                retracted=out.retracted,
+                blocked=out.blocked,
+            )
+        )
         # The tree with its locks and the waiting queue with its matches, for replaying (labkit.viz).
         self.tracer.snapshot(out.step, self.tree_cache, self.waiting_queue)

@@ -1,5 +1,6 @@
 """Station 3 (tokenize): a request's prompt, given as text, token ids or chat messages, to token ids.
 Shared by the in-process Engine and the server's TokenizerManager."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -7,9 +8,14 @@ from typing import Any
 
 def apply_chat_template(tokenizer, messages: Any) -> str:
     """The model's chat template over `messages`, ending with the assistant's turn opened."""
-    if not isinstance(messages, list) or not messages or not all(
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
+            for m in messages
+        )
+    ):
         raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
     if tokenizer is None:
         raise ValueError("this model has no tokenizer (dummy weights): pass input_ids")
@@ -18,15 +24,17 @@ def apply_chat_template(tokenizer, messages: Any) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def encode_prompt(tokenizer, text: Any = None, input_ids: Any = None,
-                  messages: Any = None) -> tuple[str | None, list[int]]:
+def encode_prompt(
+    tokenizer, text: Any = None, input_ids: Any = None, messages: Any = None
+) -> tuple[str | None, list[int]]:
     """(prompt text or None, token ids) for exactly one of text, input_ids or messages.
     Raises ValueError for malformed input."""
     if sum(x is not None for x in (text, input_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt (text), input_ids or messages")
     if input_ids is not None:
-        if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                      for t in input_ids):
+        if not isinstance(input_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in input_ids
+        ):
             raise ValueError("input_ids must be a list of ints")
         return None, list(input_ids)
     if tokenizer is None:

@@ -1,4 +1,5 @@
 """Trace hooks: record the ten stations, scheduler steps and radix-tree changes; export to pandas/Perfetto."""
+
 from labkit.trace.events import PoolUsage, Station, StationEvent, StepRecord, TreeEvent
 from labkit.trace.export import from_perfetto, save_perfetto, to_dataframe, to_perfetto
 from labkit.trace.recorder import Tracer, shorten

@@ -1,5 +1,6 @@
 """Trace record types. Components build them only when a tracer is attached (tracing off costs one
 `is None` check); the Tracer stores them and exports to pandas and Perfetto."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

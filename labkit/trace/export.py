@@ -1,5 +1,6 @@
 """Exports of a Tracer's records: pandas DataFrames (for tables and labkit.viz) and Chrome/Perfetto
 trace-event JSON (open in https://ui.perfetto.dev or chrome://tracing)."""
+
 from __future__ import annotations
 
 import json
@@ -59,13 +60,25 @@ def to_dataframe(tracer: Tracer, kind: Kind = "stations") -> pd.DataFrame:
     if kind == "steps":
         rows = [
             {
-                "step": s.step, "start": s.start, "end": s.end, "duration": s.end - s.start,
-                "forward_mode": s.forward_mode, "batch_size": len(s.rids), "rids": s.rids,
-                "extend_lens": s.extend_lens, "prefix_lens": s.prefix_lens, "num_tokens": s.num_tokens,
-                "cache_hit_tokens": s.cache_hit_tokens, "pool_total": s.pool.total,
+                "step": s.step,
+                "start": s.start,
+                "end": s.end,
+                "duration": s.end - s.start,
+                "forward_mode": s.forward_mode,
+                "batch_size": len(s.rids),
+                "rids": s.rids,
+                "extend_lens": s.extend_lens,
+                "prefix_lens": s.prefix_lens,
+                "num_tokens": s.num_tokens,
+                "cache_hit_tokens": s.cache_hit_tokens,
+                "pool_total": s.pool.total,
                 **{f"pool_{f}": getattr(s.pool, f) for f in POOL_FIELDS},
-                "running": s.running, "waiting": s.waiting, "chunked_rid": s.chunked_rid,
-                "finished": s.finished, "retracted": s.retracted, "blocked": s.blocked,
+                "running": s.running,
+                "waiting": s.waiting,
+                "chunked_rid": s.chunked_rid,
+                "finished": s.finished,
+                "retracted": s.retracted,
+                "blocked": s.blocked,
             }  # fmt: skip
             for s in tracer.steps
         ]

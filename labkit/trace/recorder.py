@@ -12,6 +12,7 @@ The recorder keeps payloads bounded so callers need not: token-id lists longer t
 items followed by one marker string giving the full length, e.g. `[1, 2, ..., "...<300 total>"]`.
 Lists are copied on record, so later mutation by the caller (e.g. `req.output_ids`) does not leak in.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -66,9 +67,7 @@ class Tracer:
         self, rid: str, station: Station, start: float, end: float, step: int | None = None, **detail: Any
     ) -> None:
         """Record that request `rid` spent [start, end] (perf_counter seconds) at `station`."""
-        self.events.append(
-            StationEvent(rid, Station(station), start, end, step, _bound(detail, self.max_tokens))
-        )
+        self.events.append(StationEvent(rid, Station(station), start, end, step, _bound(detail, self.max_tokens)))
 
     def step(self, record: StepRecord) -> None:
         """Record one scheduler step."""

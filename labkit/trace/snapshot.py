@@ -10,6 +10,7 @@ carry times inside the step's [start, end]) then say which nodes were new, split
 
 Like every trace record, snapshots are only made when a tracer is attached.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -65,8 +66,9 @@ class StepSnapshot:
     waiting: list[WaitingState] = field(default_factory=list)
 
 
-def snapshot_tree(tree_cache: Any, step: int, head_tokens: int = DEFAULT_HEAD_TOKENS,
-                  previous: dict[int, NodeState] | None = None) -> TreeSnapshot | None:
+def snapshot_tree(
+    tree_cache: Any, step: int, head_tokens: int = DEFAULT_HEAD_TOKENS, previous: dict[int, NodeState] | None = None
+) -> TreeSnapshot | None:
     """A TreeSnapshot of a RadixCache (anything with a root and whose nodes() expose id, parent, key,
     lock_ref, last_access_time). `previous` (node id -> NodeState) lets unchanged nodes be shared
     with the last snapshot. Reads only: no LRU touch, no split."""
@@ -79,16 +81,28 @@ def snapshot_tree(tree_cache: Any, step: int, head_tokens: int = DEFAULT_HEAD_TO
         n = len(node.key)
         old = previous.get(node.id)
         # A node's key only changes by a split, which gives it a new (upper) parent and a shorter key.
-        if (old is not None and old.parent == parent and old.num_tokens == n and old.lock_ref == node.lock_ref
-                and old.last_access == node.last_access_time):
+        if (
+            old is not None
+            and old.parent == parent
+            and old.num_tokens == n
+            and old.lock_ref == node.lock_ref
+            and old.last_access == node.last_access_time
+        ):
             out.append(old)
         else:
-            out.append(NodeState(node.id, parent, n, node.lock_ref, node.last_access_time,
-                                 tuple(node.key[:head_tokens])))
+            out.append(
+                NodeState(node.id, parent, n, node.lock_ref, node.last_access_time, tuple(node.key[:head_tokens]))
+            )
     return TreeSnapshot(step, getattr(tree_cache, "page_size", 1), tuple(out))
 
 
 def snapshot_waiting(waiting_queue: list[Any]) -> list[WaitingState]:
-    return [WaitingState(r.rid, len(r.origin_input_ids) + len(r.output_ids),
-                         len(r.prefix_indices) if r.last_node is not None else None, r.retract_count)
-            for r in waiting_queue]
+    return [
+        WaitingState(
+            r.rid,
+            len(r.origin_input_ids) + len(r.output_ids),
+            len(r.prefix_indices) if r.last_node is not None else None,
+            r.retract_count,
+        )
+        for r in waiting_queue
+    ]

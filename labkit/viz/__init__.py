@@ -14,9 +14,16 @@ How the tree is rebuilt per step: the scheduler's trace hook records a compact T
 with lock refs) at the end of every step (labkit.trace.snapshot); the step's TreeEvents mark what was
 inserted, split or evicted in it.
 """
-from labkit.viz.kvpool import (describe_request, draw_kv_pool, fragmentation, kv_snapshot, page_owners,
-                               req_to_token_table)
+
 from labkit.viz.journey import draw_journey, journey_latency
+from labkit.viz.kvpool import (
+    describe_request,
+    draw_kv_pool,
+    fragmentation,
+    kv_snapshot,
+    page_owners,
+    req_to_token_table,
+)
 from labkit.viz.memory import draw_memory, memory_frame
 from labkit.viz.policies import draw_policy_comparison
 from labkit.viz.processes import draw_stations_by_process
@@ -25,9 +32,20 @@ from labkit.viz.timeline import batch_frame, cells_frame, draw_timeline, draw_ti
 from labkit.viz.tree import draw_radix_tree
 from labkit.viz.waiting import draw_waiting, waiting_frame, waiting_table
 from labkit.viz.widgets import RunReplayer, StationStepper, fig_png, widget_frontend
-from labkit.viz.workloads import (Request, bench_policies, chat_requests, latency_table, mini_model_path,
-                                  random_workload, request_metrics, run_policy, run_requests,
-                                  shared_prefix_workload, summarize, token_times)
+from labkit.viz.workloads import (
+    Request,
+    bench_policies,
+    chat_requests,
+    latency_table,
+    mini_model_path,
+    random_workload,
+    request_metrics,
+    run_policy,
+    run_requests,
+    shared_prefix_workload,
+    summarize,
+    token_times,
+)
 
 
 def _register_png_formatter() -> None:
@@ -55,7 +73,7 @@ __all__ = [
     "Run", "Request", "RunReplayer", "StationStepper", "batch_frame", "bench_policies", "cells_frame",
     "chat_requests", "describe_request", "draw_journey", "draw_kv_pool", "draw_memory", "draw_policy_comparison",
     "draw_radix_tree", "draw_stations_by_process", "draw_timeline", "draw_timelines", "draw_waiting",
-    "fragmentation", "journey_latency", "kv_snapshot", "latency_table", "memory_frame", "mini_model_path", "page_owners",
-    "random_workload", "req_to_token_table", "request_metrics", "run_policy", "run_requests",
+    "fragmentation", "journey_latency", "kv_snapshot", "latency_table", "memory_frame", "mini_model_path",
+    "page_owners", "random_workload", "req_to_token_table", "request_metrics", "run_policy", "run_requests",
     "shared_prefix_workload", "summarize", "token_times", "waiting_frame", "waiting_table", "widget_frontend",
 ]  # fmt: skip

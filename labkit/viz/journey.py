@@ -3,6 +3,7 @@ station, its time to first token (TTFT) and the time each later token took. Work
 (stations 3 and 5-9) and on server runs (all ten: the tracer of an InProcessServer, or of
 `python -m labkit.server --trace-file`).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -51,9 +52,13 @@ def journey_latency(source: Any, rid: str) -> dict[str, Any]:
     t0 = events[0].start
     ends = [e.end for e in _token_events(events)]
     gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(ends)]
-    return {"tokens": len(ends), "ttft_ms": (ends[0] - t0) * 1e3 if ends else None, "token_ms": gaps,
-            "mean_token_ms": sum(gaps) / len(gaps) if gaps else None,
-            "e2e_ms": (max(e.end for e in events) - t0) * 1e3}
+    return {
+        "tokens": len(ends),
+        "ttft_ms": (ends[0] - t0) * 1e3 if ends else None,
+        "token_ms": gaps,
+        "mean_token_ms": sum(gaps) / len(gaps) if gaps else None,
+        "e2e_ms": (max(e.end for e in events) - t0) * 1e3,
+    }
 
 
 def draw_journey(source: Any, rid: str, *, highlight: int | None = None, ax=None, title: str | None = None):
@@ -81,8 +86,14 @@ def draw_journey(source: Any, rid: str, *, highlight: int | None = None, ax=None
             x = (s.start - t0) * 1e3
             ax.axvline(x, color="black", lw=1.2, ls="--")
             left = x < span / 2  # the label on the side with room
-            ax.text(x, -0.45, f" retracted (step {s.step}): back to the queue ", fontsize=7.5, va="top",
-                    ha="left" if left else "right")
+            ax.text(
+                x,
+                -0.45,
+                f" retracted (step {s.step}): back to the queue ",
+                fontsize=7.5,
+                va="top",
+                ha="left" if left else "right",
+            )
     y_tok = len(stations)
     tokens = _token_events(events)
     min_label_gap = LABEL_SPACING * span
@@ -95,15 +106,32 @@ def draw_journey(source: Any, rid: str, *, highlight: int | None = None, ax=None
         labelled = x
         ax.text(x, y_tok - 0.3, repr(e.detail.get("piece", "")), ha="center", va="bottom", fontsize=7.5)
         if i:
-            ax.text(x, y_tok + 0.3, f"+{(e.end - tokens[i - 1].end) * 1e3:.0f}", ha="center", va="top", fontsize=7,
-                    color="#555555")
+            ax.text(
+                x,
+                y_tok + 0.3,
+                f"+{(e.end - tokens[i - 1].end) * 1e3:.0f}",
+                ha="center",
+                va="top",
+                fontsize=7,
+                color="#555555",
+            )
     if tokens:
         ttft = (tokens[0].end - t0) * 1e3
         ax.axvline(ttft, color="black", lw=1, ls="--")
-        ax.text(ttft, 0, f" TTFT {ttft:.0f} ms", fontsize=8.5, weight="bold", va="center",
-                bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
-    ax.set_yticks(range(len(stations) + 1),
-                  [STATION_TITLES[s] for s in stations] + ["output tokens\n(+ms since the previous)"], fontsize=8)
+        ax.text(
+            ttft,
+            0,
+            f" TTFT {ttft:.0f} ms",
+            fontsize=8.5,
+            weight="bold",
+            va="center",
+            bbox={"facecolor": "white", "edgecolor": "none", "pad": 1},
+        )
+    ax.set_yticks(
+        range(len(stations) + 1),
+        [STATION_TITLES[s] for s in stations] + ["output tokens\n(+ms since the previous)"],
+        fontsize=8,
+    )
     ax.set_ylim(len(stations) + 0.6, -0.6)
     ax.set_xlabel(f"ms since {STATION_TITLES[events[0].station]}")
     ax.grid(axis="x", color="#eeeeee")
@@ -112,6 +140,10 @@ def draw_journey(source: Any, rid: str, *, highlight: int | None = None, ax=None
     handles = [Patch(color=style.MODE_COLORS[m], label=f"in a {m} step") for m in used]
     handles.append(Patch(color=OTHER_STATION, label="outside the steps"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
-    ax.set_title(title or f"The journey of {rid}" + (" (red: the current station)" if highlight is not None else ""),
-                 loc="left", fontsize=10, weight="bold")
+    ax.set_title(
+        title or f"The journey of {rid}" + (" (red: the current station)" if highlight is not None else ""),
+        loc="left",
+        fontsize=10,
+        weight="bold",
+    )
     return ax.figure

@@ -8,6 +8,7 @@ figure: the table on top (one cell per token position, its slot number inside), 
 (one cell per page), coloured by owner. A slot that two or more running requests read is a shared
 prefix: amber with a hatch in both views.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -53,8 +54,15 @@ def kv_snapshot(engine: Any) -> KVSnapshot:
     for req, state in live:
         if req.req_pool_idx is None or not req.kv_len:
             continue
-        rows.append(ReqRow(req.rid, req.req_pool_idx, list(req.all_ids[: req.kv_len]),
-                           table[req.req_pool_idx, : req.kv_len].tolist(), state))
+        rows.append(
+            ReqRow(
+                req.rid,
+                req.req_pool_idx,
+                list(req.all_ids[: req.kv_len]),
+                table[req.req_pool_idx, : req.kv_len].tolist(),
+                state,
+            )
+        )
     rows.sort(key=lambda r: r.req_pool_idx)
     tree_slots: dict[int, tuple[int, int]] = {}
     cache = engine.tree_cache
@@ -63,8 +71,15 @@ def kv_snapshot(engine: Any) -> KVSnapshot:
             for slot in node.value.tolist():
                 tree_slots[slot] = (node.id, node.lock_ref)
     alloc = engine.allocator
-    return KVSnapshot(sched.step_id, alloc.page_size, alloc.num_pages, rows, tree_slots,
-                      set(alloc.free_pages.tolist()), engine.tokenizer)
+    return KVSnapshot(
+        sched.step_id,
+        alloc.page_size,
+        alloc.num_pages,
+        rows,
+        tree_slots,
+        set(alloc.free_pages.tolist()),
+        engine.tokenizer,
+    )
 
 
 def req_to_token_table(snap: KVSnapshot) -> pd.DataFrame:
@@ -80,11 +95,22 @@ def req_to_token_table(snap: KVSnapshot) -> pd.DataFrame:
         for pos, (tok, slot) in enumerate(zip(r.token_ids, r.slots)):
             n = readers[slot]
             owner = "shared" if n > 1 else "cached" if slot in snap.tree_slots else "own"
-            rows.append({"rid": r.rid, "req_pool_idx": r.req_pool_idx, "position": pos, "token": tok,
-                         "slot": slot, "page": slot // snap.page_size, "owner": owner, "readers": n,
-                         "in_tree": slot in snap.tree_slots})
-    return pd.DataFrame(rows, columns=["rid", "req_pool_idx", "position", "token", "slot", "page", "owner",
-                                       "readers", "in_tree"])
+            rows.append(
+                {
+                    "rid": r.rid,
+                    "req_pool_idx": r.req_pool_idx,
+                    "position": pos,
+                    "token": tok,
+                    "slot": slot,
+                    "page": slot // snap.page_size,
+                    "owner": owner,
+                    "readers": n,
+                    "in_tree": slot in snap.tree_slots,
+                }
+            )
+    return pd.DataFrame(
+        rows, columns=["rid", "req_pool_idx", "position", "token", "slot", "page", "owner", "readers", "in_tree"]
+    )
 
 
 def page_owners(snap: KVSnapshot) -> pd.DataFrame:
@@ -115,8 +141,14 @@ def page_owners(snap: KVSnapshot) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def draw_kv_pool(source: Any, *, max_positions: int = 96, pages_per_row: int = 64, max_pages: int | None = None,
-                 title: str | None = None):
+def draw_kv_pool(
+    source: Any,
+    *,
+    max_positions: int = 96,
+    pages_per_row: int = 64,
+    max_pages: int | None = None,
+    title: str | None = None,
+):
     """Request-to-token table (top) and page pool (bottom) of a KVSnapshot (or a live Engine, which
     is snapshotted now). Shared slots/pages are amber and hatched. Returns the Figure; table cells of
     shared slots have gid 'shared-<rid>-<pos>'."""
@@ -156,11 +188,19 @@ def draw_kv_pool(source: Any, *, max_positions: int = 96, pages_per_row: int = 6
                 face, hatch, gid = "#ffe8a3", None, f"cached-{r.rid}-{pos}"
             else:
                 face, hatch, gid = color_of[r.rid], None, f"own-{r.rid}-{pos}"
-            ax_t.add_patch(Rectangle((pos, i - 0.42), 1, 0.84, facecolor=face, edgecolor="white", lw=0.5,
-                                     hatch=hatch, gid=gid))
+            ax_t.add_patch(
+                Rectangle((pos, i - 0.42), 1, 0.84, facecolor=face, edgecolor="white", lw=0.5, hatch=hatch, gid=gid)
+            )
             if fs:
-                ax_t.text(pos + 0.5, i, str(int(c["slot"])), ha="center", va="center", fontsize=fs,
-                          color="black" if c["owner"] != "own" else "white")
+                ax_t.text(
+                    pos + 0.5,
+                    i,
+                    str(int(c["slot"])),
+                    ha="center",
+                    va="center",
+                    fontsize=fs,
+                    color="black" if c["owner"] != "own" else "white",
+                )
         if len(r.slots) > n_pos:
             ax_t.text(n_pos + 0.3, i, f"… {len(r.slots)} tokens", va="center", fontsize=7)
     if snap.page_size > 1:  # page boundaries of the positions, and each page's number
@@ -171,33 +211,55 @@ def draw_kv_pool(source: Any, *, max_positions: int = 96, pages_per_row: int = 6
             for k, r in enumerate(snap.requests):
                 for b in range(0, min(len(r.slots), n_pos), P):
                     mid = b + min(P, n_pos - b, len(r.slots) - b) / 2
-                    ax_t.text(mid, k * pitch + 0.47, f"page {r.slots[b] // P}", ha="center", va="top", fontsize=6.5,
-                              color="#222222")
-    labels = [f"slot {r.req_pool_idx}: {r.rid}" + (" (chunked)" if r.state == "chunked" else "")
-              for r in snap.requests]
+                    ax_t.text(
+                        mid,
+                        k * pitch + 0.47,
+                        f"page {r.slots[b] // P}",
+                        ha="center",
+                        va="top",
+                        fontsize=6.5,
+                        color="#222222",
+                    )
+    labels = [f"slot {r.req_pool_idx}: {r.rid}" + (" (chunked)" if r.state == "chunked" else "") for r in snap.requests]
     ax_t.set_yticks([k * pitch for k in range(len(rids))], labels, fontsize=8)
     for tick, rid in zip(ax_t.get_yticklabels(), rids):
         tick.set_color(color_of[rid])
     ax_t.set_xlim(0, n_pos + (4 if any(len(r.slots) > n_pos for r in snap.requests) else 0))
     ax_t.set_ylim((max(len(rids), 1) - 1) * pitch + (0.5 if pitch == 1 else 0.75), -0.5)
-    ax_t.set_xlabel("token position in the request" + (f"  (lines: page boundaries, page_size {snap.page_size})"
-                                                       if snap.page_size > 1 else ""), fontsize=8)
+    ax_t.set_xlabel(
+        "token position in the request"
+        + (f"  (lines: page boundaries, page_size {snap.page_size})" if snap.page_size > 1 else ""),
+        fontsize=8,
+    )
     ax_t.tick_params(axis="x", labelsize=7)
     for side in ("top", "right"):
         ax_t.spines[side].set_visible(False)
-    ax_t.set_title(title or f"Request-to-token table after step {snap.step}: the KV slot of every token "
-                   "(number in the cell)", loc="left", fontsize=10, weight="bold")
+    ax_t.set_title(
+        title or f"Request-to-token table after step {snap.step}: the KV slot of every token (number in the cell)",
+        loc="left",
+        fontsize=10,
+        weight="bold",
+    )
     if not rids:
         ax_t.text(0.5, 0.5, "no running requests", ha="center", va="center", transform=ax_t.transAxes)
-    handles = [Patch(facecolor=style.PROTECTED, hatch="////", label="shared prefix (read by 2+ requests)"),
-               Patch(facecolor="#ffe8a3", label="in the radix tree, read by this request only"),
-               Patch(facecolor=style.REQUEST_PALETTE[0], label="the request's own slots (colour per request)")]
+    handles = [
+        Patch(facecolor=style.PROTECTED, hatch="////", label="shared prefix (read by 2+ requests)"),
+        Patch(facecolor="#ffe8a3", label="in the radix tree, read by this request only"),
+        Patch(facecolor=style.REQUEST_PALETTE[0], label="the request's own slots (colour per request)"),
+    ]
     ax_t.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7.5, frameon=False)
 
     # --- the page pool ---------------------------------------------------------------------------
     kinds = ["reserved", "free", "evictable", "protected", "shared", "unaccounted", *rids]
-    colors = [style.RESERVED, style.FREE, style.EVICTABLE, style.PROTECTED, style.PROTECTED, "black",
-              *[color_of[r] for r in rids]]
+    colors = [
+        style.RESERVED,
+        style.FREE,
+        style.EVICTABLE,
+        style.PROTECTED,
+        style.PROTECTED,
+        "black",
+        *[color_of[r] for r in rids],
+    ]
     code = {k: i for i, k in enumerate(kinds)}
     grid = np.full(n_rows_pool * pages_per_row, np.nan)
     grid[0] = code["reserved"]
@@ -205,13 +267,29 @@ def draw_kv_pool(source: Any, *, max_positions: int = 96, pages_per_row: int = 6
         if p["page"] < len(grid):
             grid[p["page"]] = code[p["owner"]]
     grid = grid.reshape(n_rows_pool, pages_per_row)
-    ax_p.imshow(np.ma.masked_invalid(grid), cmap=ListedColormap(colors), vmin=-0.5, vmax=len(kinds) - 0.5,
-                aspect="auto", interpolation="nearest")
+    ax_p.imshow(
+        np.ma.masked_invalid(grid),
+        cmap=ListedColormap(colors),
+        vmin=-0.5,
+        vmax=len(kinds) - 0.5,
+        aspect="auto",
+        interpolation="nearest",
+    )
     for _, p in pages[pages["owner"] == "shared"].iterrows():
         if p["page"] < len(grid.flat):
             r, c = divmod(int(p["page"]), pages_per_row)
-            ax_p.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, hatch="////", edgecolor="#7a5200",
-                                     lw=0, gid=f"shared-page-{p['page']}"))
+            ax_p.add_patch(
+                Rectangle(
+                    (c - 0.5, r - 0.5),
+                    1,
+                    1,
+                    fill=False,
+                    hatch="////",
+                    edgecolor="#7a5200",
+                    lw=0,
+                    gid=f"shared-page-{p['page']}",
+                )
+            )
             if pages_per_row <= 64:
                 ax_p.text(c, r, f"×{p['readers']}", ha="center", va="center", fontsize=5.5)
     ax_p.set_xticks(np.arange(-0.5, pages_per_row, 1), minor=True)
@@ -222,14 +300,22 @@ def draw_kv_pool(source: Any, *, max_positions: int = 96, pages_per_row: int = 6
     ax_p.set_xticks(range(0, pages_per_row, 8), [f"+{i}" for i in range(0, pages_per_row, 8)], fontsize=7)
     rest = cells - shown_pages
     counts = pages["owner"].value_counts()
-    ax_p.set_title(f"Page pool ({snap.num_pages} pages of {snap.page_size} slot{'s' if snap.page_size > 1 else ''}"
-                   f"; {counts.get('free', 0)} free"
-                   + (f"; pages {shown_pages}-{snap.num_pages} not shown, all free" if rest > 0 else "") + ")",
-                   loc="left", fontsize=10, weight="bold")
-    handles = [Patch(color=style.RESERVED, label="page 0: reserved"), Patch(color=style.FREE, label="free"),
-               Patch(color=style.EVICTABLE, label="tree, evictable"),
-               Patch(color=style.PROTECTED, label="tree, protected"),
-               Patch(facecolor=style.PROTECTED, hatch="////", label="shared by running requests (×readers)")]
+    ax_p.set_title(
+        f"Page pool ({snap.num_pages} pages of {snap.page_size} slot{'s' if snap.page_size > 1 else ''}"
+        f"; {counts.get('free', 0)} free"
+        + (f"; pages {shown_pages}-{snap.num_pages} not shown, all free" if rest > 0 else "")
+        + ")",
+        loc="left",
+        fontsize=10,
+        weight="bold",
+    )
+    handles = [
+        Patch(color=style.RESERVED, label="page 0: reserved"),
+        Patch(color=style.FREE, label="free"),
+        Patch(color=style.EVICTABLE, label="tree, evictable"),
+        Patch(color=style.PROTECTED, label="tree, protected"),
+        Patch(facecolor=style.PROTECTED, hatch="////", label="shared by running requests (×readers)"),
+    ]
     handles += [Patch(color=color_of[r], label=f"own: {r}") for r in rids[:8]]
     ax_p.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7.5, frameon=False)
     fig.labkit_snapshot = snap
@@ -251,6 +337,13 @@ def fragmentation(snap: KVSnapshot) -> pd.DataFrame:
     rows = []
     for r in snap.requests:
         pages = {s // P for s in r.slots}
-        rows.append({"rid": r.rid, "tokens": len(r.slots), "pages": len(pages), "slots_in_pages": len(pages) * P,
-                     "unused_slots": len(pages) * P - len(r.slots)})
+        rows.append(
+            {
+                "rid": r.rid,
+                "tokens": len(r.slots),
+                "pages": len(pages),
+                "slots_in_pages": len(pages) * P,
+                "unused_slots": len(pages) * P - len(r.slots),
+            }
+        )
     return pd.DataFrame(rows, columns=["rid", "tokens", "pages", "slots_in_pages", "unused_slots"])

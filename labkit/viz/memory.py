@@ -1,5 +1,6 @@
 """KV memory over a run: the pool split into free / evictable / protected / request-owned slots after
 every step (StepRecord.pool), with evictions (from the step's TreeEvents) and retractions marked."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -18,8 +19,12 @@ LABELS = {
     "evictable": "evictable (in the tree, unlocked)",
     "free": "free",
 }
-COLORS = {"request_owned": style.REQUEST_OWNED, "protected": style.PROTECTED, "evictable": style.EVICTABLE,
-          "free": style.FREE}
+COLORS = {
+    "request_owned": style.REQUEST_OWNED,
+    "protected": style.PROTECTED,
+    "evictable": style.EVICTABLE,
+    "free": style.FREE,
+}
 
 
 def memory_frame(source: Any) -> pd.DataFrame:
@@ -28,15 +33,25 @@ def memory_frame(source: Any) -> pd.DataFrame:
     rows = []
     for s in run.steps:
         evicted = sum(e.num_tokens for e in run.tree_events(s.step) if e.kind == "evict")
-        rows.append({"step": s.step, "time": s.end - run.t0, **{c: getattr(s.pool, c) for c in CATEGORIES},
-                     "total": s.pool.total, "evicted_tokens": evicted, "retracted": list(s.retracted),
-                     "forward_mode": s.forward_mode})
-    return pd.DataFrame(rows, columns=["step", "time", *CATEGORIES, "total", "evicted_tokens", "retracted",
-                                       "forward_mode"])
+        rows.append(
+            {
+                "step": s.step,
+                "time": s.end - run.t0,
+                **{c: getattr(s.pool, c) for c in CATEGORIES},
+                "total": s.pool.total,
+                "evicted_tokens": evicted,
+                "retracted": list(s.retracted),
+                "forward_mode": s.forward_mode,
+            }
+        )
+    return pd.DataFrame(
+        rows, columns=["step", "time", *CATEGORIES, "total", "evicted_tokens", "retracted", "forward_mode"]
+    )
 
 
-def draw_memory(source: Any, *, ax=None, title: str | None = None, highlight_step: int | None = None,
-                show_free: bool = True):
+def draw_memory(
+    source: Any, *, ax=None, title: str | None = None, highlight_step: int | None = None, show_free: bool = True
+):
     """Stacked KV pool use per step. Returns the Figure; the stacked layers are in ax.collections
     with gids 'mem-<category>'."""
     run = Run.of(source)
@@ -66,23 +81,42 @@ def draw_memory(source: Any, *, ax=None, title: str | None = None, highlight_ste
             ax.plot(row["step"], total * 1.035, marker="v", color=style.EVICTED, ms=7)
             # neighbouring labels alternate between two heights so they do not overlap
             level = 1 - level if last_label is not None and row["step"] - last_label < 0.025 * len(df) + 2 else 0
-            ax.text(row["step"], total * (1.065 + 0.045 * level), f"-{row['evicted_tokens']}", ha="center",
-                    fontsize=7, color=style.EVICTED)
+            ax.text(
+                row["step"],
+                total * (1.065 + 0.045 * level),
+                f"-{row['evicted_tokens']}",
+                ha="center",
+                fontsize=7,
+                color=style.EVICTED,
+            )
             last_label = row["step"]
         if row["retracted"]:
             ax.axvline(row["step"], color="black", lw=1.2)
-            ax.text(row["step"], total * 1.175, " retract " + ", ".join(row["retracted"]), fontsize=7.5,
-                    ha="left", va="center", weight="bold")
+            ax.text(
+                row["step"],
+                total * 1.175,
+                " retract " + ", ".join(row["retracted"]),
+                fontsize=7.5,
+                ha="left",
+                va="center",
+                weight="bold",
+            )
     ax.set_ylim(0, top)
     ax.set_xlim(xs[0], xs[-1])
     ax.set_xlabel("scheduler step")
     ax.set_ylabel("KV slots")
     handles = [Patch(color=COLORS[c], label=LABELS[c]) for c in reversed(cats)]
-    handles += [ax.plot([], [], marker="v", color=style.EVICTED, ls="none", label="eviction (-tokens evicted)")[0],
-                ax.plot([], [], color="black", lw=1.2, label="retraction")[0]]
+    handles += [
+        ax.plot([], [], marker="v", color=style.EVICTED, ls="none", label="eviction (-tokens evicted)")[0],
+        ax.plot([], [], color="black", lw=1.2, label="retraction")[0],
+    ]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     if highlight_step is not None:
         ax.axvline(highlight_step, color="black", lw=1.2, ls=":")
-    ax.set_title(title or "KV memory after each step" + (f": {run.label}" if run.label else ""), loc="left",
-                 fontsize=11, weight="bold")
+    ax.set_title(
+        title or "KV memory after each step" + (f": {run.label}" if run.label else ""),
+        loc="left",
+        fontsize=11,
+        weight="bold",
+    )
     return fig

@@ -1,4 +1,5 @@
 """Scheduling-policy comparison plots from a bench_policies(...) table."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -26,13 +27,24 @@ def draw_policy_comparison(df: pd.DataFrame, metrics=METRICS, title: str | None 
     for ax, (col, label, better) in zip(axes, metrics):
         for i, w in enumerate(workloads):
             sub = df[df["workload"] == w].set_index("policy").reindex(policies)
-            bars = ax.bar(x + (i - (len(workloads) - 1) / 2) * width, sub[col], width=width,
-                          color=WORKLOAD_COLORS[i % len(WORKLOAD_COLORS)], label=w)
+            bars = ax.bar(
+                x + (i - (len(workloads) - 1) / 2) * width,
+                sub[col],
+                width=width,
+                color=WORKLOAD_COLORS[i % len(WORKLOAD_COLORS)],
+                label=w,
+            )
             fmt = "{:.0%}" if col == "cache_hit_rate" else "{:.2f}" if sub[col].max() < 10 else "{:.0f}"
             for b, v in zip(bars, sub[col]):
                 if not np.isnan(v):
-                    ax.text(b.get_x() + b.get_width() / 2, b.get_height(), fmt.format(v), ha="center", va="bottom",
-                            fontsize=7)
+                    ax.text(
+                        b.get_x() + b.get_width() / 2,
+                        b.get_height(),
+                        fmt.format(v),
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                    )
         ax.set_xticks(x, policies)
         ax.set_title(f"{label}\n({better})", fontsize=9.5, loc="left")
         ax.margins(y=0.15)

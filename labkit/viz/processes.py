@@ -3,6 +3,7 @@ server process (main, scheduler, detokenizer), one row per request, one bar per 
 station. Drawn from a server trace (`python -m labkit.server --trace-file`, read back with
 labkit.trace.from_perfetto) or any other run with station records.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -29,8 +30,14 @@ PROCESS_TITLES = {
 MIN_WIDTH = 0.003  # of the time axis: shorter visits (station 6 takes no time at all) are drawn this wide
 
 
-def draw_stations_by_process(source: Any, rids: list[str] | None = None, *, window: tuple[float, float] | None = None,
-                             labels: dict[str, str] | None = None, title: str | None = None):
+def draw_stations_by_process(
+    source: Any,
+    rids: list[str] | None = None,
+    *,
+    window: tuple[float, float] | None = None,
+    labels: dict[str, str] | None = None,
+    title: str | None = None,
+):
     """Station visits of `rids` (default: every request), one row each in order of arrival, in ms
     since the first of their records; `window` (ms, ms) zooms in. Each bar is a PolyCollection with gid
     "<rid>|<station number>". Visits shorter than MIN_WIDTH of the axis are widened to it, so
@@ -57,15 +64,21 @@ def draw_stations_by_process(source: Any, rids: list[str] | None = None, *, wind
         for (rid, station), xranges in spans.items():
             if station in stations:
                 y = row_of[rid]
-                ax.broken_barh(xranges, (y - 0.35, 0.7), facecolors=style.STATION_COLORS[station],
-                               gid=f"{rid}|{int(station)}")
+                ax.broken_barh(
+                    xranges, (y - 0.35, 0.7), facecolors=style.STATION_COLORS[station], gid=f"{rid}|{int(station)}"
+                )
         ax.set_yticks(range(len(order)), [(labels or {}).get(r, r) for r in order], fontsize=8)
         ax.set_ylim(len(order) - 0.5, -0.5)
         ax.set_title(PROCESS_TITLES[process], loc="left", fontsize=9)
         ax.grid(axis="x", color="#eeeeee")
         ax.set_axisbelow(True)
-        ax.legend(handles=[Patch(color=style.STATION_COLORS[s], label=STATION_TITLES[s]) for s in stations],
-                  loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
+        ax.legend(
+            handles=[Patch(color=style.STATION_COLORS[s], label=STATION_TITLES[s]) for s in stations],
+            loc="upper left",
+            bbox_to_anchor=(1.005, 1.0),
+            fontsize=8,
+            frameon=False,
+        )
     axes[-1].set_xlim(lo, hi)
     axes[-1].set_xlabel(f"ms since the first record drawn ({STATION_TITLES[events[0].station]})")
     fig.suptitle(title or "Station visits by process", x=0.01, ha="left", fontsize=10, weight="bold")

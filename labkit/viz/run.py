@@ -12,6 +12,7 @@ records alone:
 - afterwards each batch it is in is a *decode*; a step that runs while it is decoding but does not
   include it (a prefill batch of other requests, without mixed chunking) is a *stall* for it.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -61,8 +62,13 @@ class Run:
         tracer = getattr(source, "tracer", None)
         if tracer is None:
             raise ValueError("no trace: build the engine with Engine(enable_trace=True)")
-        return cls(tracer, getattr(source, "tokenizer", None), label,
-                   dict(getattr(source, "results", {}) or {}), getattr(source, "config", None))
+        return cls(
+            tracer,
+            getattr(source, "tokenizer", None),
+            label,
+            dict(getattr(source, "results", {}) or {}),
+            getattr(source, "config", None),
+        )
 
     # ---- records -----------------------------------------------------------------------------
     @property

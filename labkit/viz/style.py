@@ -1,4 +1,5 @@
 """One palette for every labkit figure, so a colour means the same thing in each view."""
+
 from __future__ import annotations
 
 from matplotlib.figure import Figure
@@ -43,8 +44,20 @@ BLOCK_COLORS = {
 }
 
 # Distinct colours for requests (page pool, req-to-token table)
-REQUEST_PALETTE = ["#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f00", "#1f3a93",
-                   "#ff7f0e", "#006d5b", "#c51b7d", "#5e3c99"]
+REQUEST_PALETTE = [
+    "#d62728",
+    "#2ca02c",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#17becf",
+    "#7f7f00",
+    "#1f3a93",
+    "#ff7f0e",
+    "#006d5b",
+    "#c51b7d",
+    "#5e3c99",
+]
 
 
 def new_figure(width: float, height: float, **kwargs) -> Figure:

@@ -3,6 +3,7 @@ stalled, retractions and finishes marked) above a per-step view of the batch (pr
 tokens per step, coloured by forward mode). x is the scheduler step, or wall time (x="time"), where
 long prefill steps show as long bars.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -19,8 +20,18 @@ def cells_frame(source: Any) -> pd.DataFrame:
     the run's first record."""
     run = Run.of(source)
     spans = _step_spans(run)
-    rows = [{"rid": c.rid, "step": c.step, "phase": c.phase, "tokens": c.tokens, "prefix": c.prefix,
-             "t_start": spans[c.step][0], "t_end": spans[c.step][1]} for c in run.cells]
+    rows = [
+        {
+            "rid": c.rid,
+            "step": c.step,
+            "phase": c.phase,
+            "tokens": c.tokens,
+            "prefix": c.prefix,
+            "t_start": spans[c.step][0],
+            "t_end": spans[c.step][1],
+        }
+        for c in run.cells
+    ]
     return pd.DataFrame(rows, columns=["rid", "step", "phase", "tokens", "prefix", "t_start", "t_end"])
 
 
@@ -34,10 +45,20 @@ def batch_frame(source: Any) -> pd.DataFrame:
             pre[c.step] = pre.get(c.step, 0) + c.tokens
         elif c.phase == "decode":
             dec[c.step] = dec.get(c.step, 0) + c.tokens
-    rows = [{"step": s.step, "forward_mode": s.forward_mode, "batch_size": len(s.rids),
-             "prefill_tokens": pre.get(s.step, 0), "decode_tokens": dec.get(s.step, 0),
-             "cache_hit_tokens": s.cache_hit_tokens, "duration_ms": (s.end - s.start) * 1e3,
-             "running": s.running, "waiting": s.waiting} for s in run.steps]
+    rows = [
+        {
+            "step": s.step,
+            "forward_mode": s.forward_mode,
+            "batch_size": len(s.rids),
+            "prefill_tokens": pre.get(s.step, 0),
+            "decode_tokens": dec.get(s.step, 0),
+            "cache_hit_tokens": s.cache_hit_tokens,
+            "duration_ms": (s.end - s.start) * 1e3,
+            "running": s.running,
+            "waiting": s.waiting,
+        }
+        for s in run.steps
+    ]
     return pd.DataFrame(rows)
 
 
@@ -75,8 +96,17 @@ def _segments(run: Run, x: str) -> dict[str, list[tuple[float, float, str, int, 
     return {rid: [tuple(s) for s in segs] for rid, segs in out.items()}
 
 
-def draw_timeline(source: Any, x: str = "step", *, ax=None, batch_ax=None, title: str | None = None,
-                  show_batch: bool = True, highlight_step: int | None = None, label_chunks: bool = True):
+def draw_timeline(
+    source: Any,
+    x: str = "step",
+    *,
+    ax=None,
+    batch_ax=None,
+    title: str | None = None,
+    show_batch: bool = True,
+    highlight_step: int | None = None,
+    label_chunks: bool = True,
+):
     """Gantt chart of a recorded run, one row per request, plus (show_batch) the tokens of each step.
     Returns the Figure (rows' y tick labels are the rids, in arrival order)."""
     if x not in ("step", "time"):
@@ -96,18 +126,32 @@ def draw_timeline(source: Any, x: str = "step", *, ax=None, batch_ax=None, title
     row_of = {rid: i for i, rid in enumerate(rids)}
     for rid, ss in segs.items():
         y = row_of[rid]
-        for x0, x1, phase, tokens, n in ss:
-            ax.barh(y, x1 - x0, left=x0, height=0.72, color=style.PHASE_COLORS[phase],
-                    edgecolor="white" if phase == "prefill" else "none", lw=0.8, gid=f"cell-{rid}")
+        for x0, x1, phase, tokens, _ in ss:
+            ax.barh(
+                y,
+                x1 - x0,
+                left=x0,
+                height=0.72,
+                color=style.PHASE_COLORS[phase],
+                edgecolor="white" if phase == "prefill" else "none",
+                lw=0.8,
+                gid=f"cell-{rid}",
+            )
             if label_chunks and phase == "prefill" and tokens:
                 _defer_label(ax, x0, x1, y, str(tokens), "center", "white")
     # cached prefix at a request's (re)admission, written just left of its first prefill chunk
     for rid, ss in segs.items():
-        for i, (x0, x1, phase, tokens, n) in enumerate(ss):
+        for i, (x0, _, phase, _, _) in enumerate(ss):
             if phase != "prefill" or i == 0 or ss[i - 1][2] != "queued":
                 continue
-            cached = next((c.prefix for c in run.cells_of(rid) if c.phase == "prefill"
-                           and abs(((c.step - 0.5) if x == "step" else spans[c.step][0]) - x0) < 1e-9), 0)
+            cached = next(
+                (
+                    c.prefix
+                    for c in run.cells_of(rid)
+                    if c.phase == "prefill" and abs(((c.step - 0.5) if x == "step" else spans[c.step][0]) - x0) < 1e-9
+                ),
+                0,
+            )
             q0 = ss[i - 1][0]
             if cached:
                 _defer_label(ax, q0, x0, row_of[rid], f"cached {cached}", "right", "#333333")
@@ -123,11 +167,17 @@ def draw_timeline(source: Any, x: str = "step", *, ax=None, batch_ax=None, title
     ax.set_ylim(len(rids) - 0.4, -0.6)
     ax.grid(axis="x", color="#eeeeee", lw=0.6)
     ax.set_axisbelow(True)
-    phase_labels = ("queued (waiting; 'cached n' = prefix\nfound in the radix cache on admission)",
-                    "prefill chunk (number = tokens)", "decode", "stalled (running, not in this batch)")
+    phase_labels = (
+        "queued (waiting; 'cached n' = prefix\nfound in the radix cache on admission)",
+        "prefill chunk (number = tokens)",
+        "decode",
+        "stalled (running, not in this batch)",
+    )
     handles = [Patch(color=style.PHASE_COLORS[p], label=lbl) for p, lbl in zip(PHASES, phase_labels)]
-    handles += [ax.plot([], [], marker="x", color="black", ls="none", mew=2, label="retracted")[0],
-                ax.plot([], [], marker="|", color="black", ls="none", ms=11, mew=2, label="finished")[0]]
+    handles += [
+        ax.plot([], [], marker="x", color="black", ls="none", mew=2, label="retracted")[0],
+        ax.plot([], [], marker="|", color="black", ls="none", ms=11, mew=2, label="finished")[0],
+    ]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     if title is None:
         title = "Batching timeline" + (f": {run.label}" if run.label else "")
@@ -171,8 +221,9 @@ def place_labels(ax, fontsize: float = 7) -> None:
         if align == "center":
             artists.append(ax.text((x0 + x1) / 2, y, text, ha="center", va="center", fontsize=fontsize, color=color))
         else:
-            artists.append(ax.text(x1 - 0.04 * per_in, y, text, ha="right", va="center", fontsize=fontsize,
-                                   color=color))
+            artists.append(
+                ax.text(x1 - 0.04 * per_in, y, text, ha="right", va="center", fontsize=fontsize, color=color)
+            )
     ax._labkit_label_artists = artists
 
 
@@ -183,17 +234,32 @@ def _draw_batch(run: Run, ax, x: str, spans) -> None:
     else:
         left = [spans[s][0] for s in df["step"]]
         width = [spans[s][1] - spans[s][0] for s in df["step"]]
-    ax.bar(left, df["prefill_tokens"], width=width, align="edge", color=style.PHASE_COLORS["prefill"],
-           label="prefill tokens")
-    ax.bar(left, df["decode_tokens"], width=width, bottom=df["prefill_tokens"], align="edge",
-           color=style.PHASE_COLORS["decode"], label="decode tokens")
+    ax.bar(
+        left,
+        df["prefill_tokens"],
+        width=width,
+        align="edge",
+        color=style.PHASE_COLORS["prefill"],
+        label="prefill tokens",
+    )
+    ax.bar(
+        left,
+        df["decode_tokens"],
+        width=width,
+        bottom=df["prefill_tokens"],
+        align="edge",
+        color=style.PHASE_COLORS["decode"],
+        label="decode tokens",
+    )
     ax.set_ylabel("tokens\nin batch", fontsize=8)
     ax.set_xlabel("scheduler step" if x == "step" else "seconds since the first record")
     ax.grid(axis="y", color="#eeeeee", lw=0.6)
     ax.set_axisbelow(True)
-    handles = [Patch(color=style.PHASE_COLORS["prefill"], label="prefill tokens"),
-               Patch(color=style.PHASE_COLORS["decode"], label="decode tokens"),
-               Patch(color="none", label="(a bar with both colours\n is a MIXED step)")]
+    handles = [
+        Patch(color=style.PHASE_COLORS["prefill"], label="prefill tokens"),
+        Patch(color=style.PHASE_COLORS["decode"], label="decode tokens"),
+        Patch(color="none", label="(a bar with both colours\n is a MIXED step)"),
+    ]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
 
 

@@ -10,6 +10,7 @@ the step did to it: inserted, split (the new upper node), or evicted (a dashed g
 The tree at step k is the TreeSnapshot the scheduler's trace hook recorded at the end of step k
 (labkit.trace.snapshot); the step's TreeEvents supply the highlights and the evicted ghosts.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -99,8 +100,15 @@ def resolve_tree(source: Any, step: int | None = None) -> tuple[TreeSnapshot, li
     return snap, run.tree_events(step), run.tokenizer, f"Radix tree after step {step}"
 
 
-def draw_radix_tree(source: Any, step: int | None = None, *, tokenizer: Any = None, title: str | None = None,
-                    max_height: float = 40.0, label_chars: int | None = None):
+def draw_radix_tree(
+    source: Any,
+    step: int | None = None,
+    *,
+    tokenizer: Any = None,
+    title: str | None = None,
+    max_height: float = 40.0,
+    label_chars: int | None = None,
+):
     """Draw the radix tree of `source` (Engine: live now; Run/Tracer/Engine with `step`: as recorded
     at the end of that step). Returns a matplotlib Figure; each node's box has gid 'node-<id>',
     each evicted ghost 'evicted-<id>'."""
@@ -110,9 +118,18 @@ def draw_radix_tree(source: Any, step: int | None = None, *, tokenizer: Any = No
     root = snap.nodes[0]
     present = {n.id for n in snap.nodes}
     known = present | {e.node_id for e in evicted}  # an evicted node hangs below its parent, or the root
-    ghost_nodes = [NodeState(e.node_id, e.parent_id if e.parent_id in known else root.id, e.num_tokens, 0, 0,
-                             tuple(e.tokens[:DEFAULT_HEAD_TOKENS]))
-                   for e in evicted if e.node_id not in present]  # ids are never reused: a safety net
+    ghost_nodes = [
+        NodeState(
+            e.node_id,
+            e.parent_id if e.parent_id in known else root.id,
+            e.num_tokens,
+            0,
+            0,
+            tuple(e.tokens[:DEFAULT_HEAD_TOKENS]),
+        )
+        for e in evicted
+        if e.node_id not in present
+    ]  # ids are never reused: a safety net
     boxes, rows = _layout([*snap.nodes, *ghost_nodes], root.id)
     for g in ghost_nodes:
         boxes[g.id].kind = "ghost"
@@ -143,8 +160,18 @@ def draw_radix_tree(source: Any, step: int | None = None, *, tokenizer: Any = No
         w = ROOT_W if b.depth == 0 else COL_W
         y, h = b.row0 + 0.06, (b.row1 - b.row0) - 0.12
         if b.kind == "ghost":
-            rect = Rectangle((left, y), w, h, facecolor="white", edgecolor=style.EVICTED, lw=1.6, ls="--",
-                             hatch="//", alpha=0.9, gid=f"evicted-{nid}")
+            rect = Rectangle(
+                (left, y),
+                w,
+                h,
+                facecolor="white",
+                edgecolor=style.EVICTED,
+                lw=1.6,
+                ls="--",
+                hatch="//",
+                alpha=0.9,
+                gid=f"evicted-{nid}",
+            )
         else:
             fill = "#cccccc" if n.parent is None else (style.PROTECTED if n.lock_ref > 0 else style.EVICTABLE)
             edge, lw = "#555555", 0.6
@@ -162,38 +189,55 @@ def draw_radix_tree(source: Any, step: int | None = None, *, tokenizer: Any = No
         box_pt = h * row_pt
         if n.parent is None:
             if box_pt >= fs * 1.3:
-                ax.text(left + w / 2, (b.row0 + b.row1) / 2, "root", ha="center", va="center", fontsize=fs,
-                        rotation=90 if box_pt > 40 else 0)
+                ax.text(
+                    left + w / 2,
+                    (b.row0 + b.row1) / 2,
+                    "root",
+                    ha="center",
+                    va="center",
+                    fontsize=fs,
+                    rotation=90 if box_pt > 40 else 0,
+                )
             continue
         text = token_text(tokenizer, list(n.head) + (["…"] if n.num_tokens > len(n.head) else []), chars)
         tag = {"ghost": "EVICTED "}.get(b.kind, "NEW " if nid in inserted else "SPLIT " if nid in split else "")
         meta = f"{tag}#{nid} · {n.num_tokens} tok" + (f" · lock {n.lock_ref}" if b.kind == "node" else "")
         cy = (b.row0 + b.row1) / 2
         if box_pt >= fs * 2.6:
-            ax.text(left + 0.06, cy, f"{text}\n{meta}", ha="left", va="center", fontsize=fs, linespacing=1.25,
-                    clip_on=True)
+            ax.text(
+                left + 0.06, cy, f"{text}\n{meta}", ha="left", va="center", fontsize=fs, linespacing=1.25, clip_on=True
+            )
         elif box_pt >= fs * 1.15:
             short = token_text(tokenizer, list(n.head), max(4, chars - 10))
-            ax.text(left + 0.06, cy, f"{short} ({n.num_tokens})", ha="left", va="center", fontsize=fs * 0.95,
-                    clip_on=True)
+            ax.text(
+                left + 0.06, cy, f"{short} ({n.num_tokens})", ha="left", va="center", fontsize=fs * 0.95, clip_on=True
+            )
 
     n_nodes = len(snap.nodes) - 1
-    stats = (f"{n_nodes} nodes · {snap.evictable} evictable + {snap.protected} protected tokens"
-             + (f" · this step: {len(inserted)} inserted, {len(split)} split, {len(evicted)} evicted"
-                if events or step is not None else ""))
+    stats = f"{n_nodes} nodes · {snap.evictable} evictable + {snap.protected} protected tokens" + (
+        f" · this step: {len(inserted)} inserted, {len(split)} split, {len(evicted)} evicted"
+        if events or step is not None
+        else ""
+    )
     fig.text(side / W, 1 - 0.22 / H, title or default_title, fontsize=12, weight="bold", va="top")
     note = "box height = leaves below the node; text = the node's first tokens"
     if tokenizer is not None:
         note += " (« » = <|im_start|> <|im_end|>, ↵ = newline)"
-    fig.text(side / W, 1 - 0.47 / H, stats + "\n" + note, fontsize=8.5, va="top",
-             color="#333333")
-    handles = [Patch(facecolor=style.EVICTABLE, edgecolor="#555555", label="evictable (lock 0)"),
-               Patch(facecolor=style.PROTECTED, edgecolor="#555555", label="protected (locked)"),
-               Patch(facecolor="white", edgecolor=style.INSERTED, lw=2.6, label="inserted this step"),
-               Patch(facecolor="white", edgecolor=style.SPLIT, lw=2.6, label="split this step (new upper node)"),
-               Patch(facecolor="white", edgecolor=style.EVICTED, lw=1.6, ls="--", hatch="//",
-                     label="evicted this step")]
-    fig.legend(handles=handles, loc="lower left", bbox_to_anchor=(side / W, 0.02 / H), ncol=5 if width > 9 else 3,
-               fontsize=8, frameon=False)
+    fig.text(side / W, 1 - 0.47 / H, stats + "\n" + note, fontsize=8.5, va="top", color="#333333")
+    handles = [
+        Patch(facecolor=style.EVICTABLE, edgecolor="#555555", label="evictable (lock 0)"),
+        Patch(facecolor=style.PROTECTED, edgecolor="#555555", label="protected (locked)"),
+        Patch(facecolor="white", edgecolor=style.INSERTED, lw=2.6, label="inserted this step"),
+        Patch(facecolor="white", edgecolor=style.SPLIT, lw=2.6, label="split this step (new upper node)"),
+        Patch(facecolor="white", edgecolor=style.EVICTED, lw=1.6, ls="--", hatch="//", label="evicted this step"),
+    ]
+    fig.legend(
+        handles=handles,
+        loc="lower left",
+        bbox_to_anchor=(side / W, 0.02 / H),
+        ncol=5 if width > 9 else 3,
+        fontsize=8,
+        frameon=False,
+    )
     fig.labkit_nodes = patches  # node id -> its box, for tests and interactive use
     return fig

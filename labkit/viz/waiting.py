@@ -1,6 +1,7 @@
 """Why is this request still waiting? Per step and per waiting request: the limit that held it back
 (StepRecord.blocked, the PrefillAdder's verdict) and the prefix it matched in the radix cache (the
 step's snapshot of the waiting queue)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -43,11 +44,17 @@ def waiting_frame(source: Any) -> pd.DataFrame:
         for rid in [*s.blocked, *[r for r in states if r not in s.blocked]]:
             w = states.get(rid)
             reason = s.blocked.get(rid)
-            rows.append({"step": s.step, "rid": rid, "category": block_category(reason),
-                         "reason": reason if reason is not None else "retracted: back in the queue",
-                         "prefix_len": w.prefix_len if w is not None else None,
-                         "input_len": w.input_len if w is not None else None,
-                         "retractions": w.retract_count if w is not None else None})
+            rows.append(
+                {
+                    "step": s.step,
+                    "rid": rid,
+                    "category": block_category(reason),
+                    "reason": reason if reason is not None else "retracted: back in the queue",
+                    "prefix_len": w.prefix_len if w is not None else None,
+                    "input_len": w.input_len if w is not None else None,
+                    "retractions": w.retract_count if w is not None else None,
+                }
+            )
     df = pd.DataFrame(rows, columns=["step", "rid", "category", "reason", "prefix_len", "input_len", "retractions"])
     df["prefix_len"] = df["prefix_len"].astype("Int64")
     df["input_len"] = df["input_len"].astype("Int64")
@@ -82,8 +89,14 @@ def draw_waiting(source: Any, *, ax=None, title: str | None = None, highlight_st
     fig = ax.figure
     for _, r in df.iterrows():
         if r["rid"] in row_of:
-            ax.barh(row_of[r["rid"]], 1, left=r["step"] - 0.5, height=0.78, color=style.BLOCK_COLORS[r["category"]],
-                    gid=f"wait-{r['step']}-{r['rid']}")
+            ax.barh(
+                row_of[r["rid"]],
+                1,
+                left=r["step"] - 0.5,
+                height=0.78,
+                color=style.BLOCK_COLORS[r["category"]],
+                gid=f"wait-{r['step']}-{r['rid']}",
+            )
     for c in run.cells:
         if c.rid in row_of and c.phase in ("prefill", "decode"):
             ax.plot([c.step - 0.5, c.step + 0.5], [row_of[c.rid]] * 2, color=style.PHASE_COLORS[c.phase], lw=2)
@@ -97,12 +110,26 @@ def draw_waiting(source: Any, *, ax=None, title: str | None = None, highlight_st
     present = set(df["category"])
     cats = [c for c in style.BLOCK_COLORS if c in present]
     handles = [Patch(color=style.BLOCK_COLORS[c], label=c) for c in cats]
-    handles += [ax.plot([], [], color=style.PHASE_COLORS["prefill"], lw=2, label="in the batch: prefill")[0],
-                ax.plot([], [], color=style.PHASE_COLORS["decode"], lw=2, label="in the batch: decode")[0]]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False,
-              title="held back by", title_fontsize=8, alignment="left")
+    handles += [
+        ax.plot([], [], color=style.PHASE_COLORS["prefill"], lw=2, label="in the batch: prefill")[0],
+        ax.plot([], [], color=style.PHASE_COLORS["decode"], lw=2, label="in the batch: decode")[0],
+    ]
+    ax.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(1.005, 1.0),
+        fontsize=8,
+        frameon=False,
+        title="held back by",
+        title_fontsize=8,
+        alignment="left",
+    )
     if highlight_step is not None:
         ax.axvline(highlight_step, color="black", lw=1.2, ls=":")
-    ax.set_title(title or "Why is this request still waiting?" + (f" ({run.label})" if run.label else ""),
-                 loc="left", fontsize=11, weight="bold")
+    ax.set_title(
+        title or "Why is this request still waiting?" + (f" ({run.label})" if run.label else ""),
+        loc="left",
+        fontsize=11,
+        weight="bold",
+    )
     return fig

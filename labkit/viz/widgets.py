@@ -9,6 +9,7 @@ back to static output: displaying a widget sends a bundle that also carries the 
 image/png, which a front-end without widget support shows instead, and with no kernel at all
 `show()` displays (or returns) the static figures and tables.
 """
+
 from __future__ import annotations
 
 import base64
@@ -104,19 +105,35 @@ def describe_event(e: StationEvent, tokenizer=None) -> tuple[list[tuple[str, str
         n = next((int(str(x).split("<")[1].split()[0]) for x in ids if isinstance(x, str)), len(ids))
         return [("text", repr(d.get("text")))], [("input_ids", f"{n} tokens: " + tt(ids))]
     if e.station == Station.ENQUEUE:
-        return ([("prompt tokens", str(d.get("input_len")))],
-                [("prefix found in the radix cache", f"{d.get('prefix_len')} tokens"),
-                 ("waited in the queue", f"{(e.end - e.start) * 1e3:.1f} ms")])
+        return (
+            [("prompt tokens", str(d.get("input_len")))],
+            [
+                ("prefix found in the radix cache", f"{d.get('prefix_len')} tokens"),
+                ("waited in the queue", f"{(e.end - e.start) * 1e3:.1f} ms"),
+            ],
+        )
     if e.station == Station.BATCH:
-        return ([("scheduler step", str(e.step)), ("forward mode", str(d.get("mode")))],
-                [("batch size", str(d.get("batch_size"))), ("prefix already in KV", str(d.get("prefix_len"))),
-                 ("new tokens this step", str(d.get("extend_len")))])
+        return (
+            [("scheduler step", str(e.step)), ("forward mode", str(d.get("mode")))],
+            [
+                ("batch size", str(d.get("batch_size"))),
+                ("prefix already in KV", str(d.get("prefix_len"))),
+                ("new tokens this step", str(d.get("extend_len"))),
+            ],
+        )
     if e.station == Station.FORWARD:
-        return ([("input_ids", tt(d.get("input_ids", []))), ("positions", _short(d.get("positions", []))),
-                 ("KV slots written (out_cache_loc)", _short(d.get("out_cache_loc", []))),
-                 ("request slot (req_pool_idx)", str(d.get("req_pool_idx")))],
-                [("logits", "one row of vocabulary scores for the last position (top 5 at station 8)"),
-                 ("forward time", f"{(e.end - e.start) * 1e3:.1f} ms (the whole batch)")])
+        return (
+            [
+                ("input_ids", tt(d.get("input_ids", []))),
+                ("positions", _short(d.get("positions", []))),
+                ("KV slots written (out_cache_loc)", _short(d.get("out_cache_loc", []))),
+                ("request slot (req_pool_idx)", str(d.get("req_pool_idx"))),
+            ],
+            [
+                ("logits", "one row of vocabulary scores for the last position (top 5 at station 8)"),
+                ("forward time", f"{(e.end - e.start) * 1e3:.1f} ms (the whole batch)"),
+            ],
+        )
     if e.station == Station.SAMPLE:
         top = list(zip(d.get("top_ids", []), d.get("top_logits", [])))
         rows = [f"{token_text(tokenizer, [t], compact=False)!r}: {v:.2f}" for t, v in top]
@@ -139,8 +156,11 @@ def _short(values, limit: int = 16) -> str:
 
 
 def _html_rows(pairs: list[tuple[str, str]]) -> str:
-    return "".join(f"<tr><td><b>{html.escape(k)}</b></td><td style='font-family:monospace'>"
-                   f"{html.escape(v).replace(chr(10), '<br>')}</td></tr>" for k, v in pairs)
+    return "".join(
+        f"<tr><td><b>{html.escape(k)}</b></td><td style='font-family:monospace'>"
+        f"{html.escape(v).replace(chr(10), '<br>')}</td></tr>"
+        for k, v in pairs
+    )
 
 
 class StationStepper:
@@ -157,10 +177,15 @@ class StationStepper:
         rows = []
         for e in self.events:
             ins, outs = describe_event(e, self.run.tokenizer)
-            rows.append({"t_ms": round((e.start - t0) * 1e3, 2),
-                         "station": STATION_TITLES.get(e.station, e.station.name),
-                         "step": e.step, "in": "; ".join(f"{k}: {v}".replace("\n", " ") for k, v in ins)[:120],
-                         "out": "; ".join(f"{k}: {v}".replace("\n", " ") for k, v in outs)[:120]})
+            rows.append(
+                {
+                    "t_ms": round((e.start - t0) * 1e3, 2),
+                    "station": STATION_TITLES.get(e.station, e.station.name),
+                    "step": e.step,
+                    "in": "; ".join(f"{k}: {v}".replace("\n", " ") for k, v in ins)[:120],
+                    "out": "; ".join(f"{k}: {v}".replace("\n", " ") for k, v in outs)[:120],
+                }
+            )
         return pd.DataFrame(rows)
 
     def html(self, i: int) -> str:
@@ -168,10 +193,12 @@ class StationStepper:
         ins, outs = describe_event(e, self.run.tokenizer)
         rows, rows_out = _html_rows(ins), _html_rows(outs)
         step = f" · scheduler step {e.step}" if e.step is not None else ""
-        return (f"<h4>{self.rid}: station {STATION_TITLES.get(e.station, e.station.name)}{step} "
-                f"(event {i + 1} of {len(self.events)})</h4>"
-                f"<table><tr><th align=left>in</th><th></th></tr>{rows}"
-                f"<tr><th align=left>out</th><th></th></tr>{rows_out}</table>")
+        return (
+            f"<h4>{self.rid}: station {STATION_TITLES.get(e.station, e.station.name)}{step} "
+            f"(event {i + 1} of {len(self.events)})</h4>"
+            f"<table><tr><th align=left>in</th><th></th></tr>{rows}"
+            f"<tr><th align=left>out</th><th></th></tr>{rows_out}</table>"
+        )
 
     def figure(self, i: int | None = None):
         """The request's journey (labkit.viz.journey.draw_journey), event i highlighted."""
@@ -180,8 +207,9 @@ class StationStepper:
     def widget(self):
         import ipywidgets as w
 
-        slider = w.IntSlider(0, 0, len(self.events) - 1, description="event", continuous_update=False,
-                             layout=w.Layout(width="60%"))
+        slider = w.IntSlider(
+            0, 0, len(self.events) - 1, description="event", continuous_update=False, layout=w.Layout(width="60%")
+        )
         prev, nxt = w.Button(description="◀ prev"), w.Button(description="next ▶")
         info = w.HTML(self.html(0))
         image = w.Image(value=fig_png(self.figure(0)), format="png")
@@ -243,17 +271,20 @@ class RunReplayer:
         ax_w = fig.add_subplot(gs[2, 0], sharex=ax_m)
         ax_txt = fig.add_subplot(gs[:, 1])
         draw_memory(run, ax=ax_m, highlight_step=step, title="KV memory after each step")
-        draw_timeline(run, x="step", ax=ax_t, show_batch=False, highlight_step=step, label_chunks=False,
-                      title="Batching timeline")
+        draw_timeline(
+            run, x="step", ax=ax_t, show_batch=False, highlight_step=step, label_chunks=False, title="Batching timeline"
+        )
         draw_waiting(run, ax=ax_w, highlight_step=step, title="Why is this request still waiting?")
         for a in (ax_m, ax_t):
             a.set_xlabel("")
             a.tick_params(labelbottom=False)
         s = run.step_record(step)
-        lines = [f"step {step}: {s.forward_mode}, {len(s.rids)} request(s), {s.num_tokens} tokens",
-                 f"running {s.running}, waiting {s.waiting}",
-                 f"pool: free {s.pool.free}, evictable {s.pool.evictable},",
-                 f"      protected {s.pool.protected}, request-owned {s.pool.request_owned}"]
+        lines = [
+            f"step {step}: {s.forward_mode}, {len(s.rids)} request(s), {s.num_tokens} tokens",
+            f"running {s.running}, waiting {s.waiting}",
+            f"pool: free {s.pool.free}, evictable {s.pool.evictable},",
+            f"      protected {s.pool.protected}, request-owned {s.pool.request_owned}",
+        ]
         if s.finished:
             lines.append("finished: " + ", ".join(s.finished))
         if s.retracted:
@@ -269,10 +300,14 @@ class RunReplayer:
         if len(table) > 12:
             lines.append(f"  ... and {len(table) - 12} more")
         ax_txt.axis("off")
-        ax_txt.text(0, 1.0, "\n".join(lines), va="top", fontsize=8.5, family="monospace",
-                    transform=ax_txt.transAxes)
-        fig.suptitle(f"Replay of {run.label or 'the run'} at step {step} (dotted line)", x=0.01, ha="left",
-                     fontsize=12, weight="bold")
+        ax_txt.text(0, 1.0, "\n".join(lines), va="top", fontsize=8.5, family="monospace", transform=ax_txt.transAxes)
+        fig.suptitle(
+            f"Replay of {run.label or 'the run'} at step {step} (dotted line)",
+            x=0.01,
+            ha="left",
+            fontsize=12,
+            weight="bold",
+        )
         return fig
 
     def figures(self, step: int) -> list:
@@ -292,8 +327,9 @@ class RunReplayer:
 
         steps = self.steps
         start = step if step is not None else steps[-1]
-        slider = w.SelectionSlider(options=steps, value=start, description="step", continuous_update=False,
-                                   layout=w.Layout(width="80%"))
+        slider = w.SelectionSlider(
+            options=steps, value=start, description="step", continuous_update=False, layout=w.Layout(width="80%")
+        )
         tree_png, over_png = self._pngs(start)
         over = w.Image(value=over_png, format="png")
         children = [slider, over]

@@ -10,6 +10,7 @@
 - `mini_model_path()`: a small random-weight Llama config (written to a temp file) whose forward is
   cheap on CPU but not free, for scheduling experiments where the generated text does not matter.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,9 +57,16 @@ class Request:
     group: str | None = None  # e.g. which shared prefix it uses
 
 
-def shared_prefix_workload(num_groups: int = 6, per_group: int = 4, prefix_len: int = 256,
-                           question_len: int = 16, output_len: tuple[int, int] = (8, 24), vocab_size: int = 2048,
-                           interleave: bool = True, seed: int = 0) -> list[Request]:
+def shared_prefix_workload(
+    num_groups: int = 6,
+    per_group: int = 4,
+    prefix_len: int = 256,
+    question_len: int = 16,
+    output_len: tuple[int, int] = (8, 24),
+    vocab_size: int = 2048,
+    interleave: bool = True,
+    seed: int = 0,
+) -> list[Request]:
     """Groups of requests that share a long prefix (a system prompt, few-shot examples, a document)
     and differ in a short question. `interleave` sends them round-robin over the groups (g0, g1, ...,
     g0, g1, ...), the arrival order in which first-come-first-served keeps losing its prefixes."""
@@ -68,19 +76,31 @@ def shared_prefix_workload(num_groups: int = 6, per_group: int = 4, prefix_len: 
     for g in range(num_groups):
         for q in range(per_group):
             ids = prefixes[g] + [rng.randrange(3, vocab_size) for _ in range(question_len)]
-            reqs.append(Request(f"g{g}-q{q}", input_ids=ids, group=f"g{g}",
-                                sampling_params=_length_params(rng, output_len)))
+            reqs.append(
+                Request(f"g{g}-q{q}", input_ids=ids, group=f"g{g}", sampling_params=_length_params(rng, output_len))
+            )
     if interleave:
         reqs.sort(key=lambda r: (int(r.rid.split("-q")[1]), r.rid))
     return reqs
 
 
-def random_workload(num: int = 24, input_len: tuple[int, int] = (32, 384), output_len: tuple[int, int] = (8, 24),
-                    vocab_size: int = 2048, seed: int = 0) -> list[Request]:
+def random_workload(
+    num: int = 24,
+    input_len: tuple[int, int] = (32, 384),
+    output_len: tuple[int, int] = (8, 24),
+    vocab_size: int = 2048,
+    seed: int = 0,
+) -> list[Request]:
     """Independent requests with random tokens (nothing to share) and random lengths."""
     rng = random.Random(seed)
-    return [Request(f"r{i}", input_ids=[rng.randrange(3, vocab_size) for _ in range(rng.randint(*input_len))],
-                    sampling_params=_length_params(rng, output_len)) for i in range(num)]
+    return [
+        Request(
+            f"r{i}",
+            input_ids=[rng.randrange(3, vocab_size) for _ in range(rng.randint(*input_len))],
+            sampling_params=_length_params(rng, output_len),
+        )
+        for i in range(num)
+    ]
 
 
 def _length_params(rng: random.Random, output_len: tuple[int, int]) -> dict[str, Any]:
@@ -88,23 +108,29 @@ def _length_params(rng: random.Random, output_len: tuple[int, int]) -> dict[str,
     return {"temperature": 0, "max_new_tokens": rng.randint(*output_len), "ignore_eos": True}
 
 
-def chat_requests(system_prompts: list[str], questions: list[str], max_new_tokens: int = 16,
-                  prefix: str = "req") -> list[Request]:
+def chat_requests(
+    system_prompts: list[str], questions: list[str], max_new_tokens: int = 16, prefix: str = "req"
+) -> list[Request]:
     """One chat request per (system prompt, question), system prompts round-robin over questions."""
     out = []
     for i, q in enumerate(questions):
         system = system_prompts[i % len(system_prompts)]
-        out.append(Request(f"{prefix}-{i}", messages=[{"role": "system", "content": system},
-                                                      {"role": "user", "content": q}],
-                           sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens},
-                           group=f"system-{i % len(system_prompts)}"))
+        out.append(
+            Request(
+                f"{prefix}-{i}",
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+                sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens},
+                group=f"system-{i % len(system_prompts)}",
+            )
+        )
     return out
 
 
 # ---- running ---------------------------------------------------------------------------------------
 def _add(engine, r: Request) -> str:
-    return engine.add_request(r.prompt, input_ids=r.input_ids, messages=r.messages,
-                              sampling_params=dict(r.sampling_params), rid=r.rid)
+    return engine.add_request(
+        r.prompt, input_ids=r.input_ids, messages=r.messages, sampling_params=dict(r.sampling_params), rid=r.rid
+    )
 
 
 def reset_scheduler(engine) -> None:
@@ -127,8 +153,16 @@ def _detach(tracer: Tracer | None) -> Tracer | None:
     return copy
 
 
-def run_requests(engine, requests: list[Request], *, static_batch_size: int | None = None, label: str = "",
-                 fresh: bool = True, sequential: bool = False, policy: str | None = None) -> Run:
+def run_requests(
+    engine,
+    requests: list[Request],
+    *,
+    static_batch_size: int | None = None,
+    label: str = "",
+    fresh: bool = True,
+    sequential: bool = False,
+    policy: str | None = None,
+) -> Run:
     """Play `requests` through the real `engine`, one `engine.step()` at a time, until all finish.
 
     A request with arrive_step=k is added after the engine has run k steps (if the engine idles
@@ -184,10 +218,18 @@ def request_metrics(run_or_results: Run | dict[str, dict[str, Any]]) -> pd.DataF
     """One row per finished request: prompt/completion/cached tokens, TTFT and end-to-end latency (s)."""
     results = run_or_results.results if isinstance(run_or_results, Run) else run_or_results
     metas = {rid: r["meta_info"] for rid, r in results.items()}
-    rows = [{"rid": rid, "prompt_tokens": m["prompt_tokens"], "completion_tokens": m["completion_tokens"],
-             "cached_tokens": m["cached_tokens"], "ttft_s": m["ttft"], "e2e_s": m["e2e_latency"],
-             "retractions": m["retractions"]}
-            for rid, m in metas.items()]
+    rows = [
+        {
+            "rid": rid,
+            "prompt_tokens": m["prompt_tokens"],
+            "completion_tokens": m["completion_tokens"],
+            "cached_tokens": m["cached_tokens"],
+            "ttft_s": m["ttft"],
+            "e2e_s": m["e2e_latency"],
+            "retractions": m["retractions"],
+        }
+        for rid, m in metas.items()
+    ]
     return pd.DataFrame(rows)
 
 
@@ -230,8 +272,9 @@ def run_policy(engine, policy: str, requests: list[Request], seed: int = 0) -> d
     return {"policy": policy, **summarize(results, wall, prefill)}
 
 
-def bench_policies(engine, workloads: dict[str, list[Request]], policies: list[str] | None = None,
-                   repeats: int = 1) -> pd.DataFrame:
+def bench_policies(
+    engine, workloads: dict[str, list[Request]], policies: list[str] | None = None, repeats: int = 1
+) -> pd.DataFrame:
     """Every policy on every workload (cold cache each time); with repeats > 1 the best wall time of
     the repeats is kept (scheduling is deterministic, only the clock varies). Returns a table."""
     from labkit.scheduler.schedule_policy import POLICIES

@@ -1,5 +1,6 @@
 """Kernel tests: fixtures. Without CUDA the kernels run in Triton's interpreter (tests/conftest.py
 turns it on before any test module loads). On CUDA every test also runs in bfloat16."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,7 @@ def device() -> torch.device:
 def gen(request: pytest.FixtureRequest) -> torch.Generator:
     """A generator on DEVICE seeded from the test id: fresh inputs per case, reproducible per case."""
     g = torch.Generator(device=DEVICE)
-    g.manual_seed(sum(ord(c) * 31 ** i for i, c in enumerate(request.node.nodeid)) % 2**31)
+    g.manual_seed(sum(ord(c) * 31**i for i, c in enumerate(request.node.nodeid)) % 2**31)
     return g
 
 
@@ -48,8 +49,15 @@ def check_close():
     return _check_close
 
 
-def _paged_kv(seq_lens: list[int], num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
-              gen: torch.Generator, spare_rows: int = 2):
+def _paged_kv(
+    seq_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    spare_rows: int = 2,
+):
     """A random pool holding sequences of seq_lens in shuffled, non-contiguous pages.
 
     Returns (k_buffer, v_buffer [num_slots, H_kv, D], req_to_token [rows, max_ctx] int64,
@@ -58,13 +66,13 @@ def _paged_kv(seq_lens: list[int], num_kv_heads: int, head_dim: int, page_size: 
     pages_per_req = [-(-n // page_size) for n in seq_lens]
     num_pages = 1 + sum(pages_per_req) + 2
     pages = torch.randperm(num_pages - 1, generator=gen, device=DEVICE) + 1
-    rows = torch.randperm(len(seq_lens) + spare_rows, generator=gen, device=DEVICE)[:len(seq_lens)]
+    rows = torch.randperm(len(seq_lens) + spare_rows, generator=gen, device=DEVICE)[: len(seq_lens)]
     max_ctx = max(max(seq_lens), 1) + page_size
     req_to_token = torch.zeros(len(seq_lens) + spare_rows, max_ctx, dtype=torch.int64, device=DEVICE)
     offsets = torch.arange(page_size, device=DEVICE)
     used = 0
     for row, n, p in zip(rows.tolist(), seq_lens, pages_per_req):
-        slots = (pages[used:used + p, None] * page_size + offsets).reshape(-1)[:n]
+        slots = (pages[used : used + p, None] * page_size + offsets).reshape(-1)[:n]
         req_to_token[row, :n] = slots
         used += p
     shape = (num_pages * page_size, num_kv_heads, head_dim)
@@ -96,8 +104,11 @@ def device_harness(paged_kv_harness):
 
         def batch(self, mode, items, input_ids=None):
             fb = super().batch(mode, items, input_ids)
-            moved = {f.name: getattr(fb, f.name).to(DEVICE) for f in fields(fb)
-                     if isinstance(getattr(fb, f.name), torch.Tensor)}
+            moved = {
+                f.name: getattr(fb, f.name).to(DEVICE)
+                for f in fields(fb)
+                if isinstance(getattr(fb, f.name), torch.Tensor)
+            }
             return replace(fb, **moved, attn_backend=self.backend)
 
     return DeviceHarness

@@ -1,4 +1,5 @@
 """silu_and_mul against its reference and labkit's SiluAndMul layer."""
+
 from __future__ import annotations
 
 import pytest

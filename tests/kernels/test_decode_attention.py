@@ -1,4 +1,5 @@
 """decode_attention (split-KV, grouped query heads) against its dense reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,9 +24,10 @@ def _run(shape, seq_lens, num_kv_splits, max_kv_splits, dtype, device, gen, page
     seq = torch.tensor(seq_lens, device=device)
     splits = None if num_kv_splits is None else torch.tensor(num_kv_splits, dtype=torch.int32, device=device)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    scale = head_dim ** -0.5
-    decode_attention(q, k_buf, v_buf, req_to_token, rows, seq, scale, out=out,
-                     num_kv_splits=splits, max_kv_splits=max_kv_splits)
+    scale = head_dim**-0.5
+    decode_attention(
+        q, k_buf, v_buf, req_to_token, rows, seq, scale, out=out, num_kv_splits=splits, max_kv_splits=max_kv_splits
+    )
     return out, reference_decode_attention(q, k_buf, v_buf, req_to_token, rows, seq, scale)
 
 
@@ -46,8 +48,9 @@ def test_decode_long_context_with_default_split_heuristic(page_size, dtype, devi
     check_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("shape", [(8, 2, 128, 16), (4, 4, 64, 1)],
-                         ids=lambda s: f"h{s[0]}-kv{s[1]}-d{s[2]}-page{s[3]}")
+@pytest.mark.parametrize(
+    "shape", [(8, 2, 128, 16), (4, 4, 64, 1)], ids=lambda s: f"h{s[0]}-kv{s[1]}-d{s[2]}-page{s[3]}"
+)
 def test_decode_single_split_bound_writes_output_in_stage_one(shape, dtype, device, gen, paged_kv, check_close):
     """max_kv_splits=1 (what large batches get): stage 1 writes the output, no merge step runs."""
     seq_lens = [1, 37, 130] if not CUDA else [1, 37, 130, 4097, 16] + [i * 37 % 300 + 1 for i in range(251)]
@@ -63,8 +66,9 @@ def test_decode_tolerates_empty_splits(dtype, device, gen, paged_kv, check_close
 
 def test_split_heuristic_fills_the_device_but_respects_length():
     seq = torch.tensor([1, 64, 65, 10_000])
-    splits, bound = decode_kv_splits(seq, num_heads=32, num_kv_heads=8, device_sms=132, max_kv_splits=16,
-                                     programs_per_sm=2)
+    splits, bound = decode_kv_splits(
+        seq, num_heads=32, num_kv_heads=8, device_sms=132, max_kv_splits=16, programs_per_sm=2
+    )
     # 4 requests x 8 KV heads = 32 programs per split; 2 x 132 SMs wants ceil(264/32) = 9 splits.
     assert bound == 9 and splits.tolist() == [1, 1, 2, 9]
     assert splits.dtype == torch.int32

@@ -1,4 +1,5 @@
 """extend_attention (cached prefix + causal new tokens) against its dense reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,9 +31,22 @@ def _run(shape, prefix_lens, extend_lens, dtype, device, gen, paged_kv, fused_qk
     starts = torch.tensor([sum(extend_lens[:i]) for i in range(len(extend_lens))], device=device)
     prefix, ext = torch.tensor(prefix_lens, device=device), torch.tensor(extend_lens, device=device)
     out = torch.full((total, num_heads, head_dim), float("nan"), dtype=dtype, device=device)
-    scale = head_dim ** -0.5
-    extend_attention(q, k, v, k_buf, v_buf, req_to_token, rows, prefix, ext, starts, scale, out=out,
-                     plan=ExtendPlan.build(extend_lens, head_dim, device) if plan else None)
+    scale = head_dim**-0.5
+    extend_attention(
+        q,
+        k,
+        v,
+        k_buf,
+        v_buf,
+        req_to_token,
+        rows,
+        prefix,
+        ext,
+        starts,
+        scale,
+        out=out,
+        plan=ExtendPlan.build(extend_lens, head_dim, device) if plan else None,
+    )
     ref = reference_extend_attention(q, k, v, k_buf, v_buf, req_to_token, rows, prefix, ext, starts, scale)
     return out, ref
 

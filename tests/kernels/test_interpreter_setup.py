@@ -1,4 +1,5 @@
 """Without CUDA the kernels run in Triton's interpreter, in the tests and in a plain process."""
+
 from __future__ import annotations
 
 import ast
@@ -22,10 +23,14 @@ def test_kernels_are_interpreted_in_this_session():
 def test_a_plain_cpu_process_runs_the_triton_backend():
     """`import labkit` imports Triton (through torch.compiler); the interpreter switch must be set
     before that, by labkit itself: a fresh process without TRITON_INTERPRET runs the triton backend."""
-    code = ("from labkit import Engine\n"
-            "e = Engine(model_path='tiny-llama', load_format='dummy', attention_backend='triton')\n"
-            "print(e.generate(input_ids=[1, 2, 3, 4], sampling_params={'max_new_tokens': 2})['output_ids'])")
+    code = (
+        "from labkit import Engine\n"
+        "e = Engine(model_path='tiny-llama', load_format='dummy', attention_backend='triton')\n"
+        "print(e.generate(input_ids=[1, 2, 3, 4], sampling_params={'max_new_tokens': 2})['output_ids'])"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(ast.literal_eval(done.stdout.strip().splitlines()[-1])) == 2

@@ -1,4 +1,5 @@
 """rmsnorm and fused_add_rmsnorm against their references and labkit's RMSNorm layer."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """rotary_embedding against its reference and labkit's apply_rope (the convention models use)."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,8 @@ def _inputs(num_heads, num_kv_heads, head_dim, dtype, device, gen, fused=False):
     t = 7
     if fused:  # strided views into a fused projection
         qk = torch.randn(t, (num_heads + num_kv_heads) * head_dim, generator=gen, device=device).to(dtype)
-        q = qk[:, :num_heads * head_dim].view(t, num_heads, head_dim)
-        k = qk[:, num_heads * head_dim:].view(t, num_kv_heads, head_dim)
+        q = qk[:, : num_heads * head_dim].view(t, num_heads, head_dim)
+        k = qk[:, num_heads * head_dim :].view(t, num_kv_heads, head_dim)
     else:
         q = torch.randn(t, num_heads, head_dim, generator=gen, device=device).to(dtype)
         k = torch.randn(t, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
@@ -41,8 +42,14 @@ def test_rope_matches_reference(heads, head_dim, dtype, device, gen, check_close
 
 def test_rope_follows_labkit_apply_rope(device, gen, check_close):
     """Same convention (neox, rotate halves; llama3 frequency scaling included) as the model layers."""
-    params = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    params = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     rope = RotaryEmbedding(64, params, 4096)
     positions, q, k = _inputs(8, 2, 64, torch.float32, device, gen)
     q_ref, k_ref = apply_rope(q, k, *rope.cos_sin(positions, torch.float32))

@@ -1,4 +1,5 @@
 """store_kv against its reference: every new token lands at its slot, nothing else changes."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,8 @@ def test_store_kv_writes_each_token_at_its_slot(num_kv_heads, head_dim, page_siz
     slots = torch.randperm(num_slots - page_size, generator=gen, device=device)[:num_tokens] + page_size
     # The new tokens' K and V as strided views into one fused projection output, as models pass them.
     qkv = torch.randn(num_tokens, 3 * num_kv_heads * head_dim, generator=gen, device=device).to(dtype)
-    k = qkv[:, num_kv_heads * head_dim:2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
-    v = qkv[:, 2 * num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    k = qkv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, 2 * num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
     k_buf = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
     v_buf = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
     k_ref, v_ref = k_buf.clone(), v_buf.clone()

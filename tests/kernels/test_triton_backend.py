@@ -1,6 +1,7 @@
 """The "triton" attention backend gives torch_native's results: per layer call, and as whole-model
 logits over prefill, decode, mixed and extend-with-prefix steps. The per-layer test also runs the
 "flashinfer" backend where FlashInfer is importable (CUDA, 16-bit)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,8 +25,10 @@ SHAPES = {  # (prefix_len, new_len) per request
     ForwardMode.MIXED: [(11, 1), (0, 13), (30, 1), (20, 6), (3, 1)],
 }
 if CUDA:  # long enough for several KV splits and several extend tiles
-    SHAPES = {m: s + [(300, 1), (1000, 1)] if m == ForwardMode.DECODE else s + [(250, 70), (600, 1)]
-              for m, s in SHAPES.items()}
+    SHAPES = {
+        m: s + [(300, 1), (1000, 1)] if m == ForwardMode.DECODE else s + [(250, 70), (600, 1)]
+        for m, s in SHAPES.items()
+    }
 
 
 # ((num_heads, num_kv_heads), head_dim, page_size); GQA 8 and more shapes only on CUDA (the
@@ -58,15 +61,26 @@ def _fill(h, shape, gen, device, dtype, spec):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", list(SHAPES), ids=lambda m: m.name)
-@pytest.mark.parametrize("heads,head_dim,page_size", LAYER_SHAPES,
-                         ids=[f"h{h}-kv{kv}-d{d}-page{p}" for (h, kv), d, p in LAYER_SHAPES])
-def test_backend_matches_torch_native(backend, mode, heads, head_dim, page_size, dtype, device, gen,
-                                      device_harness, check_close):
+@pytest.mark.parametrize(
+    "heads,head_dim,page_size", LAYER_SHAPES, ids=[f"h{h}-kv{kv}-d{d}-page{p}" for (h, kv), d, p in LAYER_SHAPES]
+)
+def test_backend_matches_torch_native(
+    backend, mode, heads, head_dim, page_size, dtype, device, gen, device_harness, check_close
+):
     if backend == "flashinfer" and dtype == torch.float32:
         pytest.skip("FlashInfer's kernels take 16-bit K/V")
     num_heads, num_kv_heads = heads
-    h = device_harness(2, num_heads, num_kv_heads, head_dim, page_size, dtype=dtype,
-                       num_pages=2048 // page_size, max_ctx=2048, backend=backend)
+    h = device_harness(
+        2,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        dtype=dtype,
+        num_pages=2048 // page_size,
+        max_ctx=2048,
+        backend=backend,
+    )
     spec = AttentionLayerSpec(LAYER, num_heads, num_kv_heads, head_dim, 1 / math.sqrt(head_dim))
     reqs = _fill(h, SHAPES[mode], gen, device, dtype, spec)
     fb = h.batch(mode, [(r, n) for r, (_, n) in zip(reqs, SHAPES[mode])])
@@ -82,8 +96,7 @@ def test_backend_matches_torch_native(backend, mode, heads, head_dim, page_size,
     check_close(out, native.forward(q, k, v, spec, fb), dtype)
 
 
-def test_decode_without_saving_kv_reads_new_token_from_arguments(dtype, device, gen, device_harness,
-                                                                 check_close):
+def test_decode_without_saving_kv_reads_new_token_from_arguments(dtype, device, gen, device_harness, check_close):
     """save_kv_cache=False: the pool is left alone and the new token's K/V still count."""
     h = device_harness(2, 8, 2, 64, 4, dtype=dtype)
     spec = AttentionLayerSpec(LAYER, 8, 2, 64, 0.125)
@@ -113,7 +126,7 @@ def test_decode_is_batch_invariant(device, gen, device_harness):
         h.lens[r] -= 1
         fb1 = h.batch(ForwardMode.DECODE, [(r, 1)])
         h.backend.init_forward_metadata(fb1)
-        alone = h.backend.forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], spec, fb1)
+        alone = h.backend.forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], spec, fb1)
         torch.testing.assert_close(alone[0], together[i], atol=1e-5, rtol=1e-5)
 
 
@@ -151,10 +164,12 @@ def test_tiny_model_logits_match_torch_native(page_size, dtype, device, device_h
                         share = {"d": 4, "e": 8}.get(name, 0)
                         rows[name] = h.new_req(rows["a"], share) if share else h.new_req()
                 batch = [(rows[name], n) for name, n in items]
-                ids = torch.cat([tokens[name][h.lens[rows[name]]:h.lens[rows[name]] + n] for name, n in items])
+                ids = torch.cat([tokens[name][h.lens[rows[name]] : h.lens[rows[name]] + n] for name, n in items])
                 fb = h.batch(mode, batch, ids)
                 fb.attn_backend.init_forward_metadata(fb)
                 logits[b] = model(fb.input_ids, fb.positions, fb)
             ref = logits["torch_native"]
             tol = (1e-4 if dtype == torch.float32 else 3e-2) * max(1.0, ref.abs().max().item())
-            torch.testing.assert_close(logits["triton"], ref, atol=tol, rtol=0, msg=lambda m: f"{mode.name}: {m}")
+            torch.testing.assert_close(
+                logits["triton"], ref, atol=tol, rtol=0, msg=lambda m, mode=mode: f"{mode.name}: {m}"
+            )

@@ -1,4 +1,5 @@
 """A real `python -m labkit.server` in a subprocess, started once per test module."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """The server tests' side of a real `python -m labkit.server` subprocess (started and stopped with
 labkit.server.process): the served model's name and the wait for an idle server."""
+
 from __future__ import annotations
 
 import time
@@ -14,9 +15,14 @@ def wait_idle(server: ServerProcess, timeout: float = 20.0) -> dict:
     while True:
         info = server.info()
         pool = info["pool"]
-        if info["in_flight"] == 0 and info["running"] == 0 and info["waiting"] == 0 \
-                and pool["request_owned"] == 0 and pool["protected"] == 0 \
-                and info["req_slots"]["free"] == info["req_slots"]["total"]:
+        if (
+            info["in_flight"] == 0
+            and info["running"] == 0
+            and info["waiting"] == 0
+            and pool["request_owned"] == 0
+            and pool["protected"] == 0
+            and info["req_slots"]["free"] == info["req_slots"]["total"]
+        ):
             assert pool["free"] + pool["evictable"] == pool["total"]
             return info
         if time.monotonic() > deadline:

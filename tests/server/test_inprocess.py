@@ -1,6 +1,7 @@
 """The server's parts in one process (labkit.server.inprocess): a request goes through the real app,
 TokenizerManager, scheduler and detokenizer over their ZMQ sockets, stepped by hand or served at full
 speed, and gets the Engine's answer."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,10 @@ from labkit.server.inprocess import InProcessServer
 from labkit.trace import Station
 from labkit.viz import journey_latency
 
-CHAT = [{"role": "system", "content": "You are a concise assistant."},
-        {"role": "user", "content": "What is the capital of France?"}]
+CHAT = [
+    {"role": "system", "content": "You are a concise assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
 
 
 @pytest.mark.slow
@@ -30,8 +33,10 @@ async def _journeys(expected: dict) -> None:
     ipc_dir = server.ports.ipc_dir
     await server.start()
     try:
-        sched, body = server.scheduler, {"model": server.model_name, "messages": CHAT, "max_tokens": 16,
-                                         "temperature": 0}
+        sched, body = (
+            server.scheduler,
+            {"model": server.model_name, "messages": CHAT, "max_tokens": 16, "temperature": 0},
+        )
         # By hand: the message off the scheduler's socket, then step and detokenize until done.
         task = asyncio.create_task(server.client.post("/v1/chat/completions", json=body))
         raw, msg = await server.next_message()

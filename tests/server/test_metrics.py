@@ -1,4 +1,5 @@
 """The Prometheus exposition text of ServerMetrics, read back with parse_metrics (no server needed)."""
+
 from __future__ import annotations
 
 from labkit.server.metrics import PREFIX, ServerMetrics, parse_metrics

@@ -1,4 +1,5 @@
 """The OpenAI-compatible API of a real server, through the official `openai` client."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,6 @@ import re
 
 import httpx
 import pytest
-
 from server_process import MODEL, wait_idle
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -28,15 +28,16 @@ def test_chat_completion_answers_with_exact_usage(client, hf_tokenizer):
     assert "Paris" in choice.message.content and choice.message.role == "assistant"
     assert choice.finish_reason == "stop"
     assert r.usage.prompt_tokens == chat_prompt_len(hf_tokenizer, QUESTION)
-    assert r.usage.completion_tokens == len(hf_tokenizer(choice.message.content, add_special_tokens=False)[
-        "input_ids"]) + 1  # + the EOS token that ended it
+    assert (
+        r.usage.completion_tokens
+        == len(hf_tokenizer(choice.message.content, add_special_tokens=False)["input_ids"]) + 1
+    )  # + the EOS token that ended it
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
 def test_completion_with_token_id_and_text_prompts(client, hf_tokenizer):
     ids = hf_tokenizer("The capital of France is")["input_ids"]
-    by_text = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
-                                        temperature=0)
+    by_text = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
     assert by_text.choices[0].text == by_ids.choices[0].text
     assert by_text.usage.prompt_tokens == len(ids) and by_text.usage.completion_tokens == 8
@@ -44,8 +45,7 @@ def test_completion_with_token_id_and_text_prompts(client, hf_tokenizer):
 
 
 def test_completion_batch_of_prompts_gives_one_choice_per_prompt_and_n(client):
-    r = client.completions.create(model=MODEL, prompt=["One, two,", "Red, green,"], n=2, max_tokens=4,
-                                  temperature=0)
+    r = client.completions.create(model=MODEL, prompt=["One, two,", "Red, green,"], n=2, max_tokens=4, temperature=0)
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     texts = {c.index: c.text for c in r.choices}
     assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy: both choices of a prompt agree
@@ -53,8 +53,14 @@ def test_completion_batch_of_prompts_gives_one_choice_per_prompt_and_n(client):
 
 
 def test_streaming_chat_has_role_first_one_finish_and_usage(client):
-    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=32,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     whole = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -66,8 +72,9 @@ def test_streaming_chat_has_role_first_one_finish_and_usage(client):
 
 
 def test_streaming_n2_gives_each_choice_its_role_and_finish(client):
-    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=8,
-                                            n=2, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=8, n=2, stream=True
+    )
     roles, finishes, texts = {}, {}, {0: "", 1: ""}
     for chunk in stream:
         for c in chunk.choices:
@@ -84,8 +91,7 @@ def test_stop_string_cuts_the_text_and_is_reported(client):
     base = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=12, temperature=0)
     text = base.choices[0].text
     assert " 5" in text, text
-    r = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=12, temperature=0,
-                                  stop=[" 5"])
+    r = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=12, temperature=0, stop=[" 5"])
     assert r.choices[0].text == text[: text.index(" 5")]
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].model_extra["matched_stop"] == " 5"
@@ -93,8 +99,7 @@ def test_stop_string_cuts_the_text_and_is_reported(client):
 
 def test_seed_makes_sampling_reproducible(client):
     def sample(seed: int) -> str:
-        r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16,
-                                      temperature=1.0, seed=seed)
+        r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=seed)
         return r.choices[0].text
 
     first = sample(7)
@@ -103,8 +108,9 @@ def test_seed_makes_sampling_reproducible(client):
 
 
 def test_chat_logprobs_list_the_chosen_and_top_tokens(client):
-    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=6,
-                                       logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for entry in content:
@@ -122,8 +128,9 @@ def test_completion_logprobs_have_openai_shape(client):
 
 
 def test_native_generate(server):
-    r = server.post("/generate", {"text": "The capital of France is",
-                                  "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    r = server.post(
+        "/generate", {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    )
     body = r.json()
     assert r.status_code == 200 and len(body["output_ids"]) == 4 and body["meta_info"]["finish_reason"] == "length"
 
@@ -133,8 +140,11 @@ def test_64_concurrent_streams_match_sequential_greedy(server, client):
 
     async def one(http: httpx.AsyncClient, prompt: str) -> str:
         text = ""
-        async with http.stream("POST", "/v1/completions", json={
-                "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}) as resp:
+        async with http.stream(
+            "POST",
+            "/v1/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True},
+        ) as resp:
             assert resp.status_code == 200
             async for line in resp.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
@@ -146,8 +156,9 @@ def test_64_concurrent_streams_match_sequential_greedy(server, client):
             return await asyncio.gather(*(one(http, p) for p in prompts))
 
     concurrent = asyncio.run(all_at_once())
-    sequential = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
-                  for p in prompts]
+    sequential = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text for p in prompts
+    ]
     assert concurrent == sequential
     wait_idle(server)
 
@@ -174,9 +185,27 @@ def test_metrics_report_requests_tokens_and_latencies(server, client):
 def test_bench_serving_runs_against_the_server(server, backend, dataset):
     from labkit.bench.serving import main
 
-    result = main(["--backend", backend, "--base-url", server.url, "--dataset", dataset, "--num-prompts", "6",
-                   "--random-input-len", "32", "--random-output-len", "8", "--multiturn-max-tokens", "8",
-                   "--max-concurrency", "3", "--disable-tqdm"])
+    result = main(
+        [
+            "--backend",
+            backend,
+            "--base-url",
+            server.url,
+            "--dataset",
+            dataset,
+            "--num-prompts",
+            "6",
+            "--random-input-len",
+            "32",
+            "--random-output-len",
+            "8",
+            "--multiturn-max-tokens",
+            "8",
+            "--max-concurrency",
+            "3",
+            "--disable-tqdm",
+        ]
+    )
     m = result["metrics"]
     assert m["completed"] == 6 and m["failed"] == 0
     if dataset == "random":

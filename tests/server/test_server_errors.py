@@ -1,5 +1,6 @@
 """Bad input, overload, aborts and disconnects: a JSON error in OpenAI's shape, the server keeps
 serving, and every request's KV memory and request slot come back."""
+
 from __future__ import annotations
 
 import json
@@ -13,13 +14,27 @@ from server_process import MODEL, wait_idle
 from labkit.server.process import start_server
 
 KEY = "sk-test-key"
-LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}  # seconds of decoding on CPU: still running when aborted
+LONG = {
+    "max_tokens": 200,
+    "ignore_eos": True,
+    "temperature": 0,
+}  # seconds of decoding on CPU: still running when aborted
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server("--enable-metrics", "--log-level", "warning", "--context-length", "256",
-                     "--max-running-requests", "2", "--max-queued-requests", "1", api_key=KEY)
+    s = start_server(
+        "--enable-metrics",
+        "--log-level",
+        "warning",
+        "--context-length",
+        "256",
+        "--max-running-requests",
+        "2",
+        "--max-queued-requests",
+        "1",
+        api_key=KEY,
+    )
     yield s
     assert s.stop() == 0
 
@@ -32,29 +47,37 @@ def error_of(r: httpx.Response, status: int) -> dict:
 
 
 def chat(server, **body):
-    return server.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                                "max_tokens": 4, **body})
+    return server.post(
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **body},
+    )
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"temperature": "hot"}, "temperature"),
-    ({"temperature": 3}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"n": 0}, "n"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "Hi"}]}, "messages"),
-    ({"frobnicate": 1}, "frobnicate"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": 3}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "Hi"}]}, "messages"),
+        ({"frobnicate": 1}, "frobnicate"),
+    ],
+)
 def test_invalid_parameters_get_400_naming_the_parameter(server, body, param):
     assert error_of(chat(server, **body), 400)["param"] == param
     assert chat(server).status_code == 200  # and the server keeps serving
 
 
 def test_malformed_json_and_missing_fields_get_400(server):
-    bad = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
-                     headers={**server.headers(), "content-type": "application/json"})
+    bad = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=b"{not json",
+        headers={**server.headers(), "content-type": "application/json"},
+    )
     assert error_of(bad, 400)["code"] == "invalid_json"
     missing = server.post("/v1/completions", {"model": MODEL})
     assert "prompt" in error_of(missing, 400)["message"]
@@ -91,8 +114,13 @@ def _metric(server, name: str) -> float:
 
 def test_client_disconnect_mid_stream_aborts_and_frees_memory(server):
     aborted = _metric(server, "aborted_requests_total")
-    with httpx.stream("POST", server.url + "/v1/completions", headers=server.headers(), timeout=60,
-                      json={"model": MODEL, "prompt": "Tell me a long story.", "stream": True, **LONG}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        headers=server.headers(),
+        timeout=60,
+        json={"model": MODEL, "prompt": "Tell me a long story.", "stream": True, **LONG},
+    ) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # it is running
     start = time.monotonic()
@@ -104,23 +132,32 @@ def test_client_disconnect_mid_stream_aborts_and_frees_memory(server):
 def test_client_disconnect_mid_request_aborts_and_frees_memory(server):
     aborted = _metric(server, "aborted_requests_total")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", headers=server.headers(), timeout=1.5,
-                   json={"model": MODEL, "prompt": "Tell me a long story.", **LONG})
+        httpx.post(
+            server.url + "/v1/completions",
+            headers=server.headers(),
+            timeout=1.5,
+            json={"model": MODEL, "prompt": "Tell me a long story.", **LONG},
+        )
     wait_idle(server, timeout=8)
     assert _metric(server, "aborted_requests_total") == aborted + 1
 
 
 def _stream_in_background(server, results: list, ids: list) -> threading.Thread:
     def run():
-        with httpx.stream("POST", server.url + "/v1/chat/completions", headers=server.headers(), timeout=60,
-                          json={"model": MODEL, "messages": [{"role": "user", "content": "Story?"}],
-                                "stream": True, **LONG}) as r:
+        with httpx.stream(
+            "POST",
+            server.url + "/v1/chat/completions",
+            headers=server.headers(),
+            timeout=60,
+            json={"model": MODEL, "messages": [{"role": "user", "content": "Story?"}], "stream": True, **LONG},
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     chunk = json.loads(line[6:])
                     ids.append(chunk["id"])
                     if chunk["choices"] and chunk["choices"][0]["finish_reason"]:
                         results.append(chunk["choices"][0]["finish_reason"])
+
     t = threading.Thread(target=run)
     t.start()
     return t

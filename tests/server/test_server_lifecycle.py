@@ -1,4 +1,5 @@
 """Starting, configuring and stopping the server; a dead child takes the server down, never hangs."""
+
 from __future__ import annotations
 
 import json
@@ -16,24 +17,44 @@ from labkit.server.process import spawn_server, start_server
 from labkit.server.server_args import ServerArgs
 from labkit.trace.events import Station
 
-ISSUE_OPTIONS = ["--model-path", "--load-format", "--host", "--port", "--device", "--dtype", "--page-size",
-                 "--max-total-tokens", "--chunked-prefill-size", "--max-prefill-tokens", "--max-running-requests",
-                 "--max-queued-requests", "--schedule-policy", "--disable-radix-cache", "--attention-backend",
-                 "--api-key", "--log-level", "--enable-metrics", "--trace-file", "--config"]
+ISSUE_OPTIONS = [
+    "--model-path",
+    "--load-format",
+    "--host",
+    "--port",
+    "--device",
+    "--dtype",
+    "--page-size",
+    "--max-total-tokens",
+    "--chunked-prefill-size",
+    "--max-prefill-tokens",
+    "--max-running-requests",
+    "--max-queued-requests",
+    "--schedule-policy",
+    "--disable-radix-cache",
+    "--attention-backend",
+    "--api-key",
+    "--log-level",
+    "--enable-metrics",
+    "--trace-file",
+    "--config",
+]
 
 
 def test_help_lists_every_option():
-    out = subprocess.run([sys.executable, "-m", "labkit.server", "--help"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-m", "labkit.server", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0
     for option in ISSUE_OPTIONS:
         assert option in out.stdout, option
 
 
-@pytest.mark.parametrize("suffix, text", [
-    (".yaml", "port: 1234\npage-size: 4\nschedule_policy: lpm\ndisable-radix-cache: true\n"),
-    (".json", json.dumps({"port": 1234, "page_size": 4, "schedule-policy": "lpm", "disable_radix_cache": True})),
-])
+@pytest.mark.parametrize(
+    "suffix, text",
+    [
+        (".yaml", "port: 1234\npage-size: 4\nschedule_policy: lpm\ndisable-radix-cache: true\n"),
+        (".json", json.dumps({"port": 1234, "page_size": 4, "schedule-policy": "lpm", "disable_radix_cache": True})),
+    ],
+)
 def test_config_file_merges_under_the_command_line(tmp_path, suffix, text):
     path = tmp_path / f"server{suffix}"
     path.write_text(text)
@@ -78,9 +99,16 @@ def test_health_is_503_while_starting_then_a_killed_scheduler_fails_requests_and
         time.sleep(0.1)
     assert statuses[0] == 503 and set(statuses) == {503, 200}
     info = httpx.get(url + "/get_server_info", timeout=60).json()
-    with httpx.stream("POST", url + "/generate", timeout=60, json={
-            "text": "Tell me a long story.", "stream": True,
-            "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}) as r:
+    with httpx.stream(
+        "POST",
+        url + "/generate",
+        timeout=60,
+        json={
+            "text": "Tell me a long story.",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 500, "ignore_eos": True},
+        },
+    ) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
         os.kill(info["pid"], signal.SIGKILL)  # the scheduler process

@@ -1,5 +1,6 @@
 """One request's journey (labkit.viz.journey) from a recorded Engine run: latency numbers that agree
 with the engine's own timestamps, and a figure with a row per station and a mark per token."""
+
 from __future__ import annotations
 
 from labkit.trace import Station
@@ -40,4 +41,4 @@ def test_journey_figure_has_a_row_per_station_and_a_mark_per_token(tiny_run):
 
 
 def _rgb(hex_color: str) -> tuple[float, float, float]:
-    return tuple(int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    return tuple(int(hex_color[i : i + 2], 16) / 255 for i in (1, 3, 5))

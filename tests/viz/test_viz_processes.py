@@ -1,4 +1,5 @@
 """The stations-by-process view, on hand-made station records with known times."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,8 +44,9 @@ def test_each_visit_is_a_bar_in_its_process_panel_at_its_time():
     fig = draw_stations_by_process(tr, ["b", "a"])
     drawn = bars(fig)
     panels = ["main", "scheduler", "detokenizer"]
-    assert {(k, rid, s) for k, rid, s in drawn} == \
-        {(panels.index(PROCESS_OF_STATION[s]), rid, int(s)) for rid in "ab" for s in Station}
+    assert {(k, rid, s) for k, rid, s in drawn} == {
+        (panels.index(PROCESS_OF_STATION[s]), rid, int(s)) for rid in "ab" for s in Station
+    }
     for e in tr.events:
         panel = panels.index(PROCESS_OF_STATION[e.station])
         assert any(x == pytest.approx((e.start - T) * 1e3) for x, _ in drawn[(panel, e.rid, int(e.station))])

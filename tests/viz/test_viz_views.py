@@ -1,4 +1,5 @@
 """The static views, checked against the records of a real run and the live engine objects."""
+
 from __future__ import annotations
 
 import io
@@ -6,9 +7,22 @@ import io
 import pytest
 
 from labkit import Engine
-from labkit.viz import (batch_frame, cells_frame, draw_kv_pool, draw_memory, draw_radix_tree, draw_timeline,
-                        draw_timelines, draw_waiting, kv_snapshot, memory_frame, page_owners, req_to_token_table,
-                        waiting_frame, waiting_table)
+from labkit.viz import (
+    batch_frame,
+    cells_frame,
+    draw_kv_pool,
+    draw_memory,
+    draw_radix_tree,
+    draw_timeline,
+    draw_timelines,
+    draw_waiting,
+    kv_snapshot,
+    memory_frame,
+    page_owners,
+    req_to_token_table,
+    waiting_frame,
+    waiting_table,
+)
 from labkit.viz.memory import CATEGORIES
 from labkit.viz.run import Run
 
@@ -54,8 +68,9 @@ def test_tree_of_a_few_hundred_nodes_stays_bounded(tiny):
     for a in range(20):  # a three-level tree: 20 x 4 x 3 leaves, ~340 nodes
         for b in range(4):
             for c in range(3):
-                engine.add_request(input_ids=[10 + a] * 3 + [50 + b] * 2 + [100 + c, 3 + a + b],
-                                   sampling_params={"max_new_tokens": 1})
+                engine.add_request(
+                    input_ids=[10 + a] * 3 + [50 + b] * 2 + [100 + c, 3 + a + b], sampling_params={"max_new_tokens": 1}
+                )
     engine.run_until_done()
     fig = draw_radix_tree(engine)
     n = sum(1 for _ in engine.tree_cache.nodes())

@@ -1,4 +1,5 @@
 """The widgets build and update without a front-end, and fall back to static output."""
+
 from __future__ import annotations
 
 import pytest

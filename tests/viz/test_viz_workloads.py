@@ -1,4 +1,5 @@
 """Workload helpers: static-batching emulation, sequential arrival, policy runs and orders."""
+
 from __future__ import annotations
 
 from labkit import Engine
@@ -10,7 +11,7 @@ def test_static_batching_admits_a_group_only_when_the_last_one_finished(tiny):
     engine = Engine(enable_trace=True, max_total_tokens=1024, **tiny)
     reqs = random_workload(num=7, input_len=(4, 12), output_len=(2, 9), vocab_size=256)
     run = run_requests(engine, reqs, static_batch_size=3)
-    groups = [{r.rid for r in reqs[i:i + 3]} for i in range(0, 7, 3)]
+    groups = [{r.rid for r in reqs[i : i + 3]} for i in range(0, 7, 3)]
     live: set[str] = set()
     for s in run.steps:
         live |= set(s.rids)
@@ -25,8 +26,10 @@ def test_static_batching_admits_a_group_only_when_the_last_one_finished(tiny):
 
 def test_sequential_and_timed_arrivals(tiny):
     engine = Engine(enable_trace=True, max_total_tokens=1024, **tiny)
-    reqs = [Request(f"s{i}", input_ids=[5 + i] * 6, sampling_params={"max_new_tokens": 3, "ignore_eos": True})
-            for i in range(3)]
+    reqs = [
+        Request(f"s{i}", input_ids=[5 + i] * 6, sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+        for i in range(3)
+    ]
     run = run_requests(engine, reqs, sequential=True)
     assert all(len(s.rids) <= 1 for s in run.steps)
     times = token_times(run)
@@ -37,8 +40,9 @@ def test_sequential_and_timed_arrivals(tiny):
 
 def test_policy_runs_are_repeatable_and_lpm_groups_prefixes(tiny):
     engine = Engine(max_total_tokens=80, max_running_requests=2, **tiny)
-    reqs = shared_prefix_workload(num_groups=4, per_group=3, prefix_len=24, question_len=4, output_len=(2, 6),
-                                  vocab_size=256)
+    reqs = shared_prefix_workload(
+        num_groups=4, per_group=3, prefix_len=24, question_len=4, output_len=(2, 6), vocab_size=256
+    )
     a, b = run_policy(engine, "fcfs", reqs), run_policy(engine, "fcfs", reqs)
     assert (a["cache_hit_rate"], a["prefill_tokens"]) == (b["cache_hit_rate"], b["prefill_tokens"])
     lpm = run_policy(engine, "lpm", reqs)
