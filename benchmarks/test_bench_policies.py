@@ -1,6 +1,6 @@
 """Scheduling policies end to end: every registered policy on a shared-prefix and a random workload,
 each round one full run from an empty prefix cache through the real Engine (real forward passes of
-a small random-weight Llama, see labkit.viz.workloads.MINI_LLAMA). The time is the run's wall time;
+a small random-weight Llama, see labkit.bench.policies.MINI_LLAMA). The time is the run's wall time;
 cache hit rate, TTFT, end-to-end latency and prefill tokens go into `extra_info`, so
 --benchmark-compare shows them next to the timings.
 
@@ -21,8 +21,9 @@ import os
 import pytest
 
 from labkit import Engine
+from labkit.bench.datasets import random_workload, shared_prefix_workload
+from labkit.bench.policies import mini_model_path, run_policy
 from labkit.scheduler.schedule_policy import POLICIES
-from labkit.viz.workloads import mini_model_path, random_workload, run_policy, shared_prefix_workload
 
 pytestmark = pytest.mark.microbench
 

@@ -5,8 +5,8 @@ labkit.kernels.reference: store_kv (kv_cache.py), decode_attention (decode.py), 
 
 Without a CUDA device Triton can only run kernels through its interpreter (numpy on the CPU, slow
 but exact enough for tests and teaching). Triton reads that switch (TRITON_INTERPRET=1) when it
-defines a kernel, its own `tl.sum` & co. included, which it does on first import; `import labkit`
-already imports Triton (through torch.compiler), so the switch is set in labkit/__init__.py."""
+defines a kernel, its own `tl.sum` & co. included, which it does on first import, so labkit/__init__.py
+sets the switch just before Triton is first imported (by this package or by torch.compile)."""
 
 from labkit.kernels.activation import silu_and_mul
 from labkit.kernels.decode import decode_attention, decode_kv_splits

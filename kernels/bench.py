@@ -6,8 +6,8 @@ it is installed) FlashInfer's kernels on the same inputs.
 Decode is memory-bound: floor = bytes of K and V read / measured copy bandwidth. Extend (prefill) is
 compute-bound: floor = causal FLOPs / measured bf16 matmul rate. Both ceilings are measured here.
 Decode is timed as CUDA-graph replays, as the engine runs it: timed eagerly, the small decode cases
-measured the host's kernel launches instead (on an H200, batch 8 x 4096 read 0.054-0.266 ms eagerly
-across runs, 0.043 ms replayed). Extend runs eagerly in the engine and is timed so."""
+measure the host's kernel launches instead (docs/benchmarks.md has both figures). Extend runs eagerly
+in the engine and is timed so."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`python -m labkit`: a one-line demo of the engine on the embedded model (until the server lands)."""
+"""`python -m labkit`: a one-line demo of the engine on the embedded model (`python -m labkit.server` serves it)."""
 
 import time
 
@@ -13,6 +13,7 @@ def main() -> None:
     out = engine.generate(
         messages=[{"role": "user", "content": question}], sampling_params={"temperature": 0, "max_new_tokens": 48}
     )
+    assert isinstance(out, dict)  # one conversation in, one result out (generate's type covers batches too)
     meta = out["meta_info"]
     runner = engine.model_runner
     print(

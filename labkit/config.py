@@ -1,38 +1,89 @@
-"""EngineConfig: every knob of the engine (the server's command line maps onto it one to one)."""
+"""EngineConfig: every knob of the engine. Each field's `help` metadata is its one description: the
+server's command line (server/server_args.py) is built from these fields, one option per field."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class EngineConfig:
+    """Options of the Engine and of the server's scheduler process (`Engine(**overrides)` takes the
+    same names). The choices of schedule_policy and attention_backend are their registries' names."""
+
     # Model
-    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    load_format: str = "auto"  # "auto" (weights from model_path) | "dummy" (random weights for a config)
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # auto: cuda if available, else cpu
-    context_length: int | None = None  # default: the model's max_position_embeddings
-    random_seed: int = 0
+    model_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "HF model directory, or a data/configs name with --load-format dummy "
+            "(none: the embedded SmolLM2-135M-Instruct)"
+        },
+    )
+    load_format: str = field(
+        default="auto", metadata={"help": "auto: weights from --model-path; dummy: random weights for a config"}
+    )
+    dtype: str = field(
+        default="auto", metadata={"help": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16"}
+    )
+    device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu or cuda"})
+    context_length: int | None = field(
+        default=None, metadata={"help": "max prompt + output tokens per request (default: the model's)"}
+    )
+    random_seed: int = field(default=0, metadata={"help": "seed for dummy weights and the random policy"})
     # Memory
-    page_size: int = 1
-    max_total_tokens: int | None = None  # KV pool size in tokens; None: from kv_memory_gb
-    kv_memory_gb: float = 1.0  # KV budget when max_total_tokens is not given (CPU default)
-    max_running_requests: int = 256
+    page_size: int = field(default=1, metadata={"help": "tokens per KV page"})
+    max_total_tokens: int | None = field(
+        default=None, metadata={"help": "KV pool size in tokens (default: from --kv-memory-gb)"}
+    )
+    kv_memory_gb: float = field(
+        default=1.0, metadata={"help": "KV pool memory in GiB when --max-total-tokens is not given"}
+    )
+    max_running_requests: int = field(default=256, metadata={"help": "most requests decoding at once"})
     # Scheduling
-    schedule_policy: str = "fcfs"
-    chunked_prefill_size: int | None = None  # None: 2048 on CPU, 8192 on CUDA; <= 0 disables chunking
-    max_prefill_tokens: int = 16384
-    enable_mixed_chunk: bool = False
-    disable_radix_cache: bool = False
-    schedule_conservativeness: float = 1.0
+    schedule_policy: str = field(default="fcfs", metadata={"help": "order in which waiting requests are admitted"})
+    chunked_prefill_size: int | None = field(
+        default=None,
+        metadata={"help": "prompt tokens per prefill step (default 2048 on CPU, 8192 on CUDA; <= 0: no chunking)"},
+    )
+    max_prefill_tokens: int = field(default=16384, metadata={"help": "prefill token budget of one step"})
+    enable_mixed_chunk: bool = field(
+        default=False, metadata={"help": "run a prefill chunk and the decodes in one batch"}
+    )
+    disable_radix_cache: bool = field(default=False, metadata={"help": "no prefix sharing (ChunkCache)"})
+    schedule_conservativeness: float = field(
+        default=1.0, metadata={"help": "scales the decode reservation of admitted requests"}
+    )
     # Execution
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch_native on CPU
-    cuda_graph_max_bs: int = 160  # largest decode batch replayed from a CUDA graph (CUDA + triton only)
-    disable_cuda_graph: bool = False  # run every decode eagerly
-    enable_torch_compile: bool = False  # torch.compile the decode forward around the attention kernels
-    torch_compile_max_bs: int = 32  # largest decode batch run compiled
-    disable_overlap_schedule: bool = False  # overlap scheduling is on for CUDA unless this is set
-    overlap_schedule_on_cpu: bool = False  # also on CPU: no speed-up, but shows (and tests) its one-step lag
+    attention_backend: str = field(default="auto", metadata={"help": "auto: triton on CUDA, torch_native on CPU"})
+    cuda_graph_max_bs: int = field(
+        default=160,
+        metadata={
+            "help": "largest decode batch run from a captured CUDA graph (CUDA with the triton backend); "
+            "larger batches run eagerly"
+        },
+    )
+    disable_cuda_graph: bool = field(
+        default=False, metadata={"help": "never capture CUDA graphs: every decode step runs eagerly"}
+    )
+    enable_torch_compile: bool = field(
+        default=False,
+        metadata={
+            "help": "torch.compile the decode forward around the attention kernels (the CUDA graphs are "
+            "captured from it); compiling takes a while at start"
+        },
+    )
+    torch_compile_max_bs: int = field(
+        default=32, metadata={"help": "largest decode batch run compiled with --enable-torch-compile"}
+    )
+    disable_overlap_schedule: bool = field(
+        default=False,
+        metadata={"help": "schedule each step only after the previous one finished (overlap is on for CUDA)"},
+    )
+    overlap_schedule_on_cpu: bool = field(
+        default=False,
+        metadata={"help": "overlap scheduling on CPU too: no speed-up there; tokens arrive one step later"},
+    )
     # Observability
-    enable_trace: bool = False
+    enable_trace: bool = field(
+        default=False, metadata={"help": "record station, step and tree events in a Tracer (labkit.trace)"}
+    )

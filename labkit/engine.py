@@ -5,21 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from labkit.config import EngineConfig
-from labkit.io_struct import GenerateReqInput, TokenizedGenerateReqInput
+from labkit.io_struct import GenerateReqInput
 from labkit.model_executor.forward_batch import ForwardMode
-from labkit.model_executor.model_runner import ModelRunner
-from labkit.model_loader.loader import model_dir_and_tokenizer
 from labkit.sampling.sampling_params import SamplingParams
 from labkit.scheduler.schedule_batch import Req
 from labkit.scheduler.scheduler import Scheduler, StepOutput
-from labkit.tokenizer.detokenizer import IncrementalDetokenizer
-from labkit.tokenizer.prompt import apply_chat_template, encode_prompt
-from labkit.trace.events import PoolUsage, Station
+from labkit.tokenizer.detokenizer_manager import DetokenizerManager
+from labkit.tokenizer.prompt import apply_chat_template, tokenize_request
+from labkit.trace.events import PoolUsage
 from labkit.trace.recorder import Tracer
 
 
@@ -43,17 +40,12 @@ class EngineStep:
     waiting: int
 
 
-def build_scheduler(config: EngineConfig, tracer: Tracer | None = None) -> Scheduler:
-    """Load the tokenizer and model, size the pools, and wire ModelRunner into a Scheduler. The
-    Engine and the server's scheduler process both start here."""
-    model_dir, tokenizer = model_dir_and_tokenizer(config.model_path, config.load_format)
-    return Scheduler(config, ModelRunner(config, tokenizer, model_dir), tokenizer, tracer)
-
-
 @dataclass
 class _ReqState:
-    detokenizer: IncrementalDetokenizer | None
-    times: dict[str, float] = field(default_factory=dict)
+    """What the Engine keeps of a request in flight: its text so far and its tokenize timestamp."""
+
+    pieces: list[str]
+    tokenize_time: float
 
 
 class Engine:
@@ -64,9 +56,10 @@ class Engine:
             raise ValueError(f"unknown engine option(s): {sorted(unknown)}")
         self.config = dataclasses.replace(config, **overrides)
         self.tracer = Tracer() if self.config.enable_trace else None
-        self.scheduler = build_scheduler(self.config, self.tracer)
+        self.scheduler = Scheduler.from_config(self.config, self.tracer)
         self.tokenizer = self.scheduler.tokenizer
         self.model_runner = self.scheduler.model_runner
+        self.detokenizer = DetokenizerManager(self.tokenizer, self.tracer)
         self._states: dict[str, _ReqState] = {}
         self.results: dict[str, dict[str, Any]] = {}  # finished requests of step-wise use, by rid
         self._rid_counter = itertools.count()
@@ -101,45 +94,25 @@ class Engine:
         messages: list[dict[str, Any]] | None = None,
         sampling_params: dict[str, Any] | SamplingParams | None = None,
         rid: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
-        """Tokenize and enqueue one request; returns its rid. Bad input raises ValueError."""
+        """Tokenize and enqueue one request; returns its rid. Bad input raises ValueError.
+        `arrival_time` (perf_counter seconds) backdates its arrival, for a workload runner that held
+        the request back before submitting it; by default it arrives when tokenized."""
         if isinstance(sampling_params, SamplingParams):
             sampling_params = dataclasses.asdict(sampling_params)
         req = GenerateReqInput(
             text=prompt, input_ids=input_ids, messages=messages, sampling_params=dict(sampling_params or {}), rid=rid
         )
-        start = time.perf_counter()
-        tokenized = self._tokenize(req)
-        if tokenized.rid in self._states:
-            raise ValueError(f"request id {tokenized.rid!r} is already in use")
-        end = time.perf_counter()
-        scheduled = self.scheduler.add_request(tokenized)
-        params = scheduled.sampling_params
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                stop=params.stop or [],
-                skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens,
-            )
-        self._states[tokenized.rid] = _ReqState(detok, times={"tokenize": start})
-        if self.tracer is not None:
-            self.tracer.station(
-                tokenized.rid, Station.TOKENIZE, start, end, text=tokenized.input_text, input_ids=tokenized.input_ids
-            )
-        return tokenized.rid
-
-    def _tokenize(self, req: GenerateReqInput) -> TokenizedGenerateReqInput:
-        text, ids = encode_prompt(self.tokenizer, req.text, req.input_ids, req.messages)
-        rid = req.rid if req.rid is not None else f"req-{next(self._rid_counter)}"
-        return TokenizedGenerateReqInput(
-            rid=rid,
-            input_text=text,
-            input_ids=ids,
-            sampling_params=req.sampling_params,
-            created_time=time.perf_counter(),
-        )
+        rid = rid if rid is not None else f"req-{next(self._rid_counter)}"
+        if rid in self._states:
+            raise ValueError(f"request id {rid!r} is already in use")
+        tokenized = tokenize_request(self.tokenizer, req, rid, tracer=self.tracer)
+        if arrival_time is not None:
+            tokenized.created_time = arrival_time
+        self.scheduler.add_request(tokenized)
+        self._states[rid] = _ReqState(pieces=[], tokenize_time=tokenized.received_time)
+        return rid
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         return apply_chat_template(self.tokenizer, messages)
@@ -148,10 +121,8 @@ class Engine:
         return self.scheduler.abort_request(rid)
 
     def flush_cache(self) -> None:
-        """Drop the prefix cache, returning its KV slots. Only when no request is in flight."""
-        if self.scheduler.has_work():
-            raise RuntimeError("cannot flush the cache while requests are waiting or running")
-        self.tree_cache.reset()
+        """Drop the prefix cache, returning its KV slots. Refused (RuntimeError) while requests are in flight."""
+        self.scheduler.flush_cache()
 
     # ---- running -----------------------------------------------------------------------------
     def step(self) -> EngineStep:
@@ -177,32 +148,14 @@ class Engine:
 
     def _step(self) -> StepOutput:
         out = self.scheduler.step()
+        detokenized = self.detokenizer.handle(self.scheduler.stream_output(out))
         self._last_pieces = {}
-        start = time.perf_counter()
-        for rid, token in out.new_token_ids.items():
-            state = self._states[rid]
-            if state.detokenizer is not None:
-                self._last_pieces[rid] = state.detokenizer.feed([token])
+        for o in detokenized.outputs:
+            self._states[o.rid].pieces.append(o.text)
+            if self.tokenizer is not None:
+                self._last_pieces[o.rid] = o.text
         for req in out.finished:
-            state = self._states.pop(req.rid)
-            if state.detokenizer is not None:
-                self._last_pieces[req.rid] = self._last_pieces.get(req.rid, "") + state.detokenizer.finish()
-            self.results[req.rid] = self._result(req, state)
-        if self.tracer is not None:
-            end = time.perf_counter()
-            done = {r.rid: r for r in out.finished}
-            for rid in set(out.new_token_ids) | set(done):
-                reason = done[rid].finished_reason.to_dict() if rid in done else None
-                self.tracer.station(
-                    rid,
-                    Station.DETOKENIZE,
-                    start,
-                    end,
-                    step=out.step,
-                    token=out.new_token_ids.get(rid),
-                    piece=self._last_pieces.get(rid, ""),
-                    finish_reason=reason,
-                )
+            self.results[req.rid] = self._result(req, self._states.pop(req.rid))
         if (
             out.forward_mode == ForwardMode.IDLE
             and not self.scheduler.running
@@ -213,8 +166,8 @@ class Engine:
         return out
 
     def _result(self, req: Req, state: _ReqState) -> dict[str, Any]:
-        detok = state.detokenizer
-        times = {**state.times, **req.times}
+        assert req.finished_reason is not None  # called for finished requests only
+        times = {"tokenize": state.tokenize_time, **req.times}
         reason = req.finished_reason.to_dict()
         meta = {
             "id": req.rid,
@@ -232,7 +185,7 @@ class Engine:
             meta["output_token_logprobs"] = list(zip(req.output_token_logprobs, req.output_ids))
             meta["output_top_logprobs"] = req.output_top_logprobs
         return {
-            "text": detok.text if detok is not None else None,
+            "text": "".join(state.pieces) if self.tokenizer is not None else None,
             "output_ids": list(req.output_ids),
             "meta_info": meta,
         }

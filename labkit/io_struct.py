@@ -8,11 +8,14 @@ answers control requests (ControlReq) straight to the TokenizerManager with Cont
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from labkit.trace.events import StationEvent, StepRecord, TreeEvent
+
+if TYPE_CHECKING:
+    from labkit.trace.recorder import Tracer
 
 
 class GenerateReqInput(msgspec.Struct, kw_only=True):
@@ -34,7 +37,8 @@ class TokenizedGenerateReqInput(msgspec.Struct, kw_only=True, tag=True):
     input_ids: list[int]
     sampling_params: dict[str, Any]
     stream: bool = False
-    created_time: float = 0.0
+    received_time: float = 0.0  # perf_counter when tokenizing (station 3) began
+    created_time: float = 0.0  # perf_counter when it ended: the request's arrival for the scheduler
 
 
 class AbortReq(msgspec.Struct, kw_only=True, tag=True):
@@ -62,6 +66,23 @@ class TraceChunk(msgspec.Struct, kw_only=True):
     steps: list[StepRecord] = msgspec.field(default_factory=list)
     tree_events: list[TreeEvent] = msgspec.field(default_factory=list)
 
+    @classmethod
+    def drain(cls, tracer: Tracer | None) -> TraceChunk | None:
+        """What `tracer` recorded since it was last drained (then cleared), or None if nothing."""
+        if tracer is None or not (tracer.events or tracer.steps or tracer.tree_events):
+            return None
+        chunk = cls(events=list(tracer.events), steps=list(tracer.steps), tree_events=list(tracer.tree_events))
+        tracer.clear()
+        return chunk
+
+    def extend(self, other: TraceChunk | None) -> TraceChunk:
+        """Append `other`'s records to this chunk's; returns self."""
+        if other is not None:
+            self.events.extend(other.events)
+            self.steps.extend(other.steps)
+            self.tree_events.extend(other.tree_events)
+        return self
+
 
 class DetokenizeParams(msgspec.Struct, kw_only=True):
     """What the detokenizer needs to know about a request; sent with its first output."""
@@ -86,6 +107,7 @@ class ReqOutput(msgspec.Struct, kw_only=True):
 
 class BatchTokenIDOutput(msgspec.Struct, kw_only=True, tag=True):
     outputs: list[ReqOutput]
+    step: int | None = None  # the scheduler step that produced it (None: a request refused on arrival)
     trace: TraceChunk | None = None
 
 

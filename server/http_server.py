@@ -187,7 +187,7 @@ def create_app(runtime: AppRuntime) -> FastAPI:
     async def flush_cache() -> JSONResponse:
         out = await _control(tm(), "flush_cache")
         if not out.ok:
-            raise APIError(400, f"cannot flush the cache: {out.message}", code="requests_running")
+            raise APIError(400, out.message, code="requests_running")
         return JSONResponse({"message": "cache flushed"})
 
     @app.post("/abort_request")

@@ -33,7 +33,7 @@ import zmq
 from labkit.config import EngineConfig
 from labkit.io_struct import BatchStrOutput, ToScheduler
 from labkit.scheduler.scheduler import Scheduler
-from labkit.server.detokenizer_manager import DetokenizerLoop, DetokenizerManager
+from labkit.server.detokenizer_process import DetokenizerLoop
 from labkit.server.http_server import create_app
 from labkit.server.ipc import PortArgs
 from labkit.server.launch import make_tokenizer_manager, model_name_of
@@ -63,9 +63,7 @@ class InProcessServer:
         try:
             self.scheduler_loop = SchedulerLoop.create(self.args.engine, self.ports)
             # One process: the detokenizer shares the tokenizer the scheduler loaded.
-            self.detokenizer_loop = DetokenizerLoop(
-                DetokenizerManager(self.scheduler.tokenizer, trace=self.args.engine.enable_trace), self.ports
-            )
+            self.detokenizer_loop = DetokenizerLoop.create(self.args.engine, self.ports, self.scheduler.tokenizer)
             self.tm: TokenizerManager = make_tokenizer_manager(
                 self.args, self.scheduler.tokenizer, self.ports, self.scheduler_loop.info()
             )

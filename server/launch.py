@@ -22,7 +22,7 @@ import uvicorn
 
 from labkit.model_loader.embedded import EMBEDDED_MODEL_NAME
 from labkit.model_loader.loader import model_dir_and_tokenizer
-from labkit.server.detokenizer_manager import run_detokenizer_process
+from labkit.server.detokenizer_process import run_detokenizer_process
 from labkit.server.http_server import create_app
 from labkit.server.ipc import PortArgs
 from labkit.server.process import READY_LINE

@@ -16,13 +16,11 @@ import msgspec
 import zmq
 
 from labkit.config import EngineConfig
-from labkit.engine import build_scheduler
 from labkit.io_struct import (
     AbortReq,
     BatchTokenIDOutput,
     ControlOutput,
     ControlReq,
-    DetokenizeParams,
     ReqOutput,
     TokenizedGenerateReqInput,
     ToScheduler,
@@ -59,14 +57,13 @@ class SchedulerLoop:
         self.send_to_detokenizer = push_socket(self.ctx, ports.detokenizer_ipc)
         self.send_to_tokenizer = push_socket(self.ctx, ports.tokenizer_ipc)
         self.decoder = msgspec.msgpack.Decoder(ToScheduler)
-        self.announced: set[str] = set()  # rids whose DetokenizeParams the detokenizer has had
 
     @classmethod
     def create(cls, config: EngineConfig, ports: PortArgs) -> SchedulerLoop:
         """Load the model and build the scheduler (with a tracer if config.enable_trace), bound to `ports`."""
         # Tree snapshots stay in-process (labkit.viz replays Engine runs); the server ships the rest.
         tracer = Tracer(record_snapshots=False) if config.enable_trace else None
-        return cls(build_scheduler(config, tracer), ports)
+        return cls(Scheduler.from_config(config, tracer), ports)
 
     def close(self) -> None:
         """Close the sockets (the process's exit does it in the server)."""
@@ -116,7 +113,7 @@ class SchedulerLoop:
                 self.scheduler.add_request(msg)
             except ValueError as e:  # the TokenizerManager validates first; this is the safety net
                 reason = {"type": "abort", "matched": None, "message": str(e)}
-                self._send([ReqOutput(rid=msg.rid, token_ids=[], finish_reason=reason)], None)
+                self._send(BatchTokenIDOutput(outputs=[ReqOutput(rid=msg.rid, token_ids=[], finish_reason=reason)]))
         elif isinstance(msg, AbortReq):
             self.scheduler.abort_request(msg.rid)
         elif isinstance(msg, ControlReq):
@@ -125,9 +122,10 @@ class SchedulerLoop:
     def control(self, req: ControlReq) -> ControlOutput:
         s = self.scheduler
         if req.action == "flush_cache":
-            if s.has_work():
-                return ControlOutput(req_id=req.req_id, ok=False, message="requests are running or waiting")
-            s.tree_cache.reset()
+            try:
+                s.flush_cache()
+            except RuntimeError as e:
+                return ControlOutput(req_id=req.req_id, ok=False, message=str(e))
             return ControlOutput(req_id=req.req_id, ok=True)
         if req.action == "get_info":
             pool = s.pool_usage()
@@ -148,41 +146,12 @@ class SchedulerLoop:
 
     def send_outputs(self, out: StepOutput) -> bool:
         """The step's tokens (and trace records) to the detokenizer; whether there was anything to send."""
-        live = {r.rid: r for r in self.scheduler.running}
-        finished = {r.rid: r for r in out.finished}
-        outputs = []
-        for rid in list(out.new_token_ids) + [r for r in finished if r not in out.new_token_ids]:
-            req = finished.get(rid) or live[rid]
-            params = req.sampling_params
-            new = [out.new_token_ids[rid]] if rid in out.new_token_ids else []
-            o = ReqOutput(rid=rid, token_ids=new, cached_tokens=req.cached_tokens)
-            if params.return_logprob and new:
-                o.token_logprobs = req.output_token_logprobs[-1:]
-                if params.top_logprobs_num:
-                    o.top_logprobs = req.output_top_logprobs[-1:]
-            if rid not in self.announced:
-                o.detokenize = DetokenizeParams(
-                    stop=params.stop_strs,
-                    skip_special_tokens=params.skip_special_tokens,
-                    spaces_between_special_tokens=params.spaces_between_special_tokens,
-                )
-                self.announced.add(rid)
-            if req.finished():
-                o.finish_reason = req.finished_reason.to_dict()
-                self.announced.discard(rid)
-            outputs.append(o)
-        return self._send(outputs, self._drain_trace())
+        batch = self.scheduler.stream_output(out)
+        batch.trace = TraceChunk.drain(self.scheduler.tracer)
+        return self._send(batch)
 
-    def _drain_trace(self) -> TraceChunk | None:
-        tracer = self.scheduler.tracer
-        if tracer is None or not (tracer.events or tracer.steps or tracer.tree_events):
-            return None
-        chunk = TraceChunk(events=list(tracer.events), steps=list(tracer.steps), tree_events=list(tracer.tree_events))
-        tracer.clear()
-        return chunk
-
-    def _send(self, outputs: list[ReqOutput], trace: TraceChunk | None) -> bool:
-        if not outputs and trace is None:
+    def _send(self, batch: BatchTokenIDOutput) -> bool:
+        if not batch.outputs and batch.trace is None:
             return False
-        self.send_to_detokenizer.send(ENCODER.encode(BatchTokenIDOutput(outputs=outputs, trace=trace)))
+        self.send_to_detokenizer.send(ENCODER.encode(batch))
         return True

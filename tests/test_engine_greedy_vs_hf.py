@@ -10,6 +10,8 @@ import torch
 from labkit import Engine
 from labkit.scheduler.schedule_policy import POLICIES
 
+pytestmark = pytest.mark.slow  # the embedded model and its transformers reference
+
 NEW_TOKENS = 32
 LONG_SYSTEM = (
     "You are a meticulous assistant for a public library. Answer politely, cite the shelf "

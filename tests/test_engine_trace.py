@@ -15,6 +15,7 @@ SYSTEM = {"role": "system", "content": "You are a terse assistant. Answer in one
 
 @pytest.fixture(scope="module")
 def traced():
+    """The embedded model, traced (its tests are marked slow)."""
     engine = Engine(enable_trace=True, max_total_tokens=2048, chunked_prefill_size=32)
     questions = ["What is two plus two?", "Name a colour.", "What is the capital of Italy?"]
     outs = engine.generate(
@@ -24,6 +25,7 @@ def traced():
     return engine, outs
 
 
+@pytest.mark.slow
 def test_every_request_passes_stations_3_and_5_to_9(traced):
     engine, outs = traced
     for out in outs:
@@ -49,6 +51,7 @@ def test_every_request_passes_stations_3_and_5_to_9(traced):
         assert all(e.end >= e.start for e in events)
 
 
+@pytest.mark.slow
 def test_step_records_account_for_the_whole_pool(traced):
     engine, _ = traced
     steps = engine.tracer.steps
@@ -63,6 +66,7 @@ def test_step_records_account_for_the_whole_pool(traced):
     assert len(df) == len(steps)
 
 
+@pytest.mark.slow
 def test_tree_events_and_perfetto_json(traced, tmp_path):
     engine, _ = traced
     kinds = {e.kind for e in engine.tracer.tree_events}

@@ -1,4 +1,4 @@
-"""Overlap scheduling (seed 003) gives the same outputs as scheduling step by step, reports each
+"""Overlap scheduling gives the same outputs as scheduling step by step, reports each
 batch's tokens one step later, and returns all memory. On CPU it runs with overlap_schedule_on_cpu
 (the forward is synchronous there, so only the bookkeeping is exercised); on CUDA, where it is the
 default, the same tests run the real thing, and a decode step is checked never to wait for the GPU."""
@@ -117,6 +117,7 @@ def test_abort_while_a_batch_is_in_flight_returns_everything():
     assert_all_memory_back(engine)
 
 
+@pytest.mark.slow
 def test_overlap_with_the_embedded_model_gives_the_same_text():
     prompts = ["The capital of France is", "List three colors:", "def fibonacci(n):", "Once upon a time"]
     params = {"max_new_tokens": 16, "temperature": 0}

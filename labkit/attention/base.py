@@ -56,6 +56,10 @@ class AttentionBackend(ABC):
     - DECODE has exactly one token per request; EXTEND and MIXED any number >= 1 per request.
     """
 
+    def __init__(self, config: AttentionBackendConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None: ...
 

@@ -45,8 +45,7 @@ class FlashInferAttnBackend(AttentionBackend):
     """FlashInfer on CUDA. See AttentionBackend for the contract; the module docstring for the layout."""
 
     def __init__(self, config: AttentionBackendConfig) -> None:
-        self.config = config
-        self.device = torch.device(config.device)
+        super().__init__(config)
         if self.device.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device")
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)

@@ -73,8 +73,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     """Reference backend for any device. See AttentionBackend for the contract."""
 
     def __init__(self, config: AttentionBackendConfig) -> None:
-        self.config = config
-        self.device = torch.device(config.device)
+        super().__init__(config)
         self.metadata: _Metadata | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -195,6 +194,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         out: torch.Tensor,
     ) -> None:
+        assert self.metadata is not None
         for g in self.metadata.padded:
             out[g.rows] = self._attend_padded(q[g.rows], k[g.rows], v[g.rows], layer, forward_batch, g)
 

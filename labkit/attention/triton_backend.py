@@ -52,23 +52,27 @@ class _DecodeMetadata:
     mid_lse: torch.Tensor  # [bs, H, max_kv_splits] float32 workspace
 
 
+@dataclass
+class _GraphBuffers:
+    """Decode state for CUDA graphs, allocated once for the largest captured batch (max_bs)."""
+
+    num_kv_splits: torch.Tensor  # [max_bs] int32, rewritten in place before each replay
+    mid_o: torch.Tensor  # [max_bs, H, max_kv_splits, D] float32 workspace
+    mid_lse: torch.Tensor  # [max_bs, H, max_kv_splits] float32 workspace
+
+
 @register_attention_backend("triton")
 class TritonAttnBackend(AttentionBackend):
     """Triton kernels on CUDA (interpreter elsewhere). See AttentionBackend for the contract."""
 
     def __init__(self, config: AttentionBackendConfig) -> None:
-        self.config = config
-        self.device = torch.device(config.device)
+        super().__init__(config)
         # The interpreter runs the programs one after another in Python: fewer splits there.
         self.max_kv_splits = DEFAULT_MAX_KV_SPLITS if self.device.type == "cuda" else 4
         self.num_sms = num_sms(self.device)
         self.extend: _ExtendMetadata | None = None
         self.decode: _DecodeMetadata | None = None
-        # CUDA graph state (init_cuda_graph_state): buffers for up to graph_max_bs requests.
-        self.graph_max_bs = 0
-        self.graph_num_kv_splits: torch.Tensor | None = None
-        self.graph_mid_o: torch.Tensor | None = None
-        self.graph_mid_lse: torch.Tensor | None = None
+        self.graph: _GraphBuffers | None = None  # set by init_cuda_graph_state
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
@@ -108,37 +112,34 @@ class TritonAttnBackend(AttentionBackend):
     # ---- CUDA graphs ---------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
         c = self.config
-        self.graph_max_bs = max_bs
-        self.graph_num_kv_splits = torch.ones(max_bs, dtype=torch.int32, device=self.device)
-        self.graph_mid_o = torch.empty(
-            max_bs, c.num_heads, self.max_kv_splits, c.head_dim, dtype=torch.float32, device=self.device
-        )
-        self.graph_mid_lse = torch.empty(
-            max_bs, c.num_heads, self.max_kv_splits, dtype=torch.float32, device=self.device
+        self.graph = _GraphBuffers(
+            torch.ones(max_bs, dtype=torch.int32, device=self.device),
+            torch.empty(max_bs, c.num_heads, self.max_kv_splits, c.head_dim, dtype=torch.float32, device=self.device),
+            torch.empty(max_bs, c.num_heads, self.max_kv_splits, dtype=torch.float32, device=self.device),
         )
 
-    def _graph_splits(self, fb: ForwardBatch) -> tuple[torch.Tensor, int]:
+    def _graph_splits(self, fb: ForwardBatch) -> tuple[_GraphBuffers, torch.Tensor, int]:
         c = self.config
-        if not 0 < fb.batch_size <= self.graph_max_bs:
+        max_bs = 0 if self.graph is None else self.graph.num_kv_splits.shape[0]
+        if self.graph is None or not 0 < fb.batch_size <= max_bs:
             raise ValueError(
-                f"batch of {fb.batch_size} outside the CUDA graph buffers (1..{self.graph_max_bs}); "
+                f"batch of {fb.batch_size} outside the CUDA graph buffers (1..{max_bs}); "
                 "was init_cuda_graph_state called?"
             )
         # The bound comes from the (padded) batch size alone, so it is the same at every replay.
-        return decode_kv_splits(fb.seq_lens, c.num_heads, c.num_kv_heads, self.num_sms, self.max_kv_splits)
+        splits, bound = decode_kv_splits(fb.seq_lens, c.num_heads, c.num_kv_heads, self.num_sms, self.max_kv_splits)
+        return self.graph, splits, bound
 
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        fb, bs = forward_batch, forward_batch.batch_size
-        splits, bound = self._graph_splits(fb)
-        self.graph_num_kv_splits[:bs].copy_(splits)  # valid counts for the warm-up forwards too
+        bs = forward_batch.batch_size
+        graph, splits, bound = self._graph_splits(forward_batch)
+        graph.num_kv_splits[:bs].copy_(splits)  # valid counts for the warm-up forwards too
         self.extend = None
-        self.decode = _DecodeMetadata(
-            self.graph_num_kv_splits[:bs], bound, self.graph_mid_o[:bs], self.graph_mid_lse[:bs]
-        )
+        self.decode = _DecodeMetadata(graph.num_kv_splits[:bs], bound, graph.mid_o[:bs], graph.mid_lse[:bs])
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        splits, _ = self._graph_splits(forward_batch)
-        self.graph_num_kv_splits[: forward_batch.batch_size].copy_(splits)
+        graph, splits, _ = self._graph_splits(forward_batch)
+        graph.num_kv_splits[: forward_batch.batch_size].copy_(splits)
 
     # ---- per layer ----------------------------------------------------------------------------
     def forward_decode(

@@ -107,8 +107,8 @@ class TokenToKVPoolAllocator:
         pos = torch.arange(total, device=self.device) + per_tok[:, 0]
         out = pos + per_tok[:, 2]
         if need:
-            k = (per_tok[:, 3] + pos.div(P, rounding_mode="floor")).clamp_(min=0)
-            out = torch.where(pos < per_tok[:, 1], out, taken.index_select(0, k) * P + pos % P)
+            page = (per_tok[:, 3] + pos.div(P, rounding_mode="floor")).clamp_(min=0)
+            out = torch.where(pos < per_tok[:, 1], out, taken.index_select(0, page) * P + pos % P)
         return out
 
     def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:

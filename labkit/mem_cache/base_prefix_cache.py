@@ -29,12 +29,22 @@ class MatchResult:
 class CacheableReq(Protocol):
     """What cache_finished_req / cache_unfinished_req read and write on a scheduler request."""
 
-    req_pool_idx: int
     origin_input_ids: list[int]
     output_ids: list[int]
     kv_len: int  # tokens of origin_input_ids + output_ids whose KV is in req_to_token[idx, :kv_len]
     prefix_indices: torch.Tensor  # slots the request holds as a prefix: cache-shared part first
     last_node: Any  # node the request holds a lock on
+
+    # Read-only, so the scheduler's `int | None` field fits (None: the request holds no row).
+    @property
+    def req_pool_idx(self) -> int | None: ...
+
+
+def held_row(req: CacheableReq) -> int:
+    """The request's req_to_token row, which it holds whenever a cache method is called with it."""
+    if req.req_pool_idx is None:
+        raise RuntimeError("the request holds no request slot")
+    return req.req_pool_idx
 
 
 class BasePrefixCache(ABC):

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from labkit.mem_cache.allocator import TokenToKVPoolAllocator
-from labkit.mem_cache.base_prefix_cache import BasePrefixCache, CacheableReq, MatchResult
+from labkit.mem_cache.base_prefix_cache import BasePrefixCache, CacheableReq, MatchResult, held_row
 from labkit.mem_cache.memory_pool import ReqToTokenPool
 
 
@@ -36,11 +36,12 @@ class ChunkCache(BasePrefixCache):
         return 0
 
     def cache_finished_req(self, req: CacheableReq) -> None:
-        self.allocator.free(self.req_to_token_pool.host[req.req_pool_idx, : req.kv_len])
-        self.req_to_token_pool.free(req.req_pool_idx)
+        row = held_row(req)
+        self.allocator.free(self.req_to_token_pool.host[row, : req.kv_len])
+        self.req_to_token_pool.free(row)
 
     def cache_unfinished_req(self, req: CacheableReq) -> None:
-        req.prefix_indices = self.req_to_token_pool.host[req.req_pool_idx, : req.kv_len].clone()
+        req.prefix_indices = self.req_to_token_pool.host[held_row(req), : req.kv_len].clone()
 
     def inc_lock_ref(self, node: Any) -> None:
         pass

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from labkit.mem_cache.allocator import TokenToKVPoolAllocator
-from labkit.mem_cache.base_prefix_cache import BasePrefixCache, CacheableReq, EventHook, MatchResult
+from labkit.mem_cache.base_prefix_cache import BasePrefixCache, CacheableReq, EventHook, MatchResult, held_row
 from labkit.mem_cache.memory_pool import ReqToTokenPool
 from labkit.trace.events import TreeEvent
 
@@ -168,7 +168,7 @@ class RadixCache(BasePrefixCache):
         """Insert the page-aligned part of the request's computed tokens and free the request's own
         slots that duplicate cached ones. Returns its KV slots (a copy) and the aligned length."""
         kv_len = req.kv_len
-        kv = self.req_to_token_pool.host[req.req_pool_idx, :kv_len].clone()
+        kv = self.req_to_token_pool.host[held_row(req), :kv_len].clone()
         aligned = kv_len - kv_len % self.page_size
         ids = (req.origin_input_ids + req.output_ids)[:aligned]
         # Slots [0, shared) are the tree's own (the locked path); the request owns the rest.
@@ -181,7 +181,7 @@ class RadixCache(BasePrefixCache):
     def cache_finished_req(self, req: CacheableReq) -> None:
         kv, aligned = self._insert_req(req)
         self.allocator.free(kv[aligned:])
-        self.req_to_token_pool.free(req.req_pool_idx)
+        self.req_to_token_pool.free(held_row(req))
         self.dec_lock_ref(req.last_node)
 
     def cache_unfinished_req(self, req: CacheableReq) -> None:
@@ -189,7 +189,7 @@ class RadixCache(BasePrefixCache):
         ids = (req.origin_input_ids + req.output_ids)[:aligned]
         match = self.match_prefix(ids)
         shared = match.device_indices
-        self.req_to_token_pool.write_row(req.req_pool_idx, 0, shared)
+        self.req_to_token_pool.write_row(held_row(req), 0, shared)
         self.inc_lock_ref(match.last_node)
         self.dec_lock_ref(req.last_node)
         req.prefix_indices = torch.cat((shared, kv[shared.numel() :]))

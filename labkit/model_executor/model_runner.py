@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,8 +16,12 @@ from labkit.mem_cache.allocator import TokenToKVPoolAllocator
 from labkit.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from labkit.model_executor.cuda_graph_runner import CudaGraphRunner
 from labkit.model_executor.forward_batch import ForwardBatch
+from labkit.model_executor.future_map import FutureMap, HostSample
 from labkit.model_loader.loader import load_model
-from labkit.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
+from labkit.sampling.sampler import Sampler, SamplingBatchInfo
+
+if TYPE_CHECKING:
+    from labkit.scheduler.schedule_batch import Req, ScheduleBatch, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -38,16 +43,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def use_column_major_linears(model: torch.nn.Module) -> None:
     """Store each decoder nn.Linear weight column-major: same [out, in] shape and values, but the
-    memory is [in, out], so F.linear runs MKL's non-transposed product. On CPU that made a
-    SmolLM2 decode forward at batch 1 64.4 -> 55.7 ms (same-process A/B); at batch 32 two A/Bs gave
-    -2% and +5% (noise), and a 2048-row product alone is unchanged. The lm_head stays row-major:
-    its 49152-wide product is slower this way from batch 4 up."""
+    memory is [in, out], so F.linear runs MKL's faster non-transposed product at small batches
+    (docs/benchmarks.md). The lm_head stays row-major: its vocabulary-wide product is slower
+    column-major from batch 4 up."""
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
             module.weight.data = module.weight.data.t().contiguous().t()
 
 
-def eos_ids_of(hf_config, tokenizer, model_dir: Path | None) -> set[int]:
+def eos_ids_of(hf_config: Any, tokenizer: Tokenizer | None, model_dir: Path | None) -> set[int]:
     """EOS ids from the config, the tokenizer and generation_config.json (where instruct models such
     as Llama-3 list their end-of-turn token)."""
     sources = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
@@ -63,45 +67,11 @@ def eos_ids_of(hf_config, tokenizer, model_dir: Path | None) -> set[int]:
     return ids
 
 
-def future_token(req_pool_idx: int) -> int:
-    """The placeholder for a request's sampled token that has not reached the host yet."""
-    return -1 - req_pool_idx
-
-
-def future_slot(input_ids: torch.Tensor) -> torch.Tensor:
-    """The request slot of each placeholder (0 for real ids, which are not read)."""
-    return (-1 - input_ids).clamp_(min=0)
-
-
-def _pinned_copy(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-
-
-@dataclass
-class HostSample:
-    """A step's sampled tokens (and logprobs) on their way to the host. On CUDA the copy goes to
-    pinned memory behind an event, so the host can queue the next step before reading this one."""
-
-    output: SampleOutput  # the host copies, valid after wait()
-    event: torch.cuda.Event | None
-
-    @classmethod
-    def start(cls, out: SampleOutput) -> HostSample:
-        if out.next_token_ids.device.type != "cuda":
-            return cls(out, None)
-        host = SampleOutput(_pinned_copy(out.next_token_ids), _pinned_copy(out.logprobs), out.top_logprobs)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(host, event)
-
-    def wait(self) -> SampleOutput:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.output
-
-
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tokenizer=None, model_dir: Path | None = None):
+    """Owns the model, the KV pools and the FutureMap of one engine; runs a ScheduleBatch's forward
+    and samples its next tokens. `tokenizer` (None for dummy weights) only contributes its EOS id."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None, model_dir: Path | None = None):
         if config.page_size < 1:
             raise ValueError("page_size must be >= 1")
         if config.cuda_graph_max_bs < 1:
@@ -135,9 +105,7 @@ class ModelRunner:
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.token_to_kv_pool.size, config.page_size)
         # +2: the request being chunk-prefilled and one being admitted can hold slots beside the cap.
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 2, self.context_len, self.device)
-        # The token each request slot sampled last. A decode input the host does not know yet (overlap
-        # scheduling: the previous step is still running) is a placeholder read from here on the device.
-        self.last_token_ids = torch.zeros(self.req_to_token_pool.size, dtype=torch.int64, device=self.device)
+        self.future_map = FutureMap(self.req_to_token_pool.size, self.device)
         self.attn_backend = backend_cls(
             AttentionBackendConfig(
                 num_heads=cfg.num_attention_heads,
@@ -167,7 +135,7 @@ class ModelRunner:
             logger.info("CUDA graphs off: %s", e)
             return None
 
-    def _pool_size(self, cfg, head_dim: int) -> int:
+    def _pool_size(self, cfg: Any, head_dim: int) -> int:
         page = self.config.page_size
         if self.config.max_total_tokens is not None:
             size = self.config.max_total_tokens
@@ -179,14 +147,14 @@ class ModelRunner:
             raise ValueError(f"the KV pool must hold at least one page ({page} tokens), got {size}")
         return size
 
-    def build_forward_batch(self, batch) -> ForwardBatch:
+    def build_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
         seq_lens = batch.seq_lens
         # One host-to-device copy for the four index lists, then views of it.
         parts = (batch.input_ids, batch.positions, batch.req_pool_indices, seq_lens)
         flat = torch.tensor([v for part in parts for v in part], dtype=torch.int64).to(self.device, non_blocking=True)
         input_ids, positions, req_pool_indices, seq_lens_t = flat.split([len(p) for p in parts])
-        if min(batch.input_ids) < 0:
-            input_ids = torch.where(input_ids < 0, self.last_token_ids[future_slot(input_ids)], input_ids)
+        if FutureMap.has_future(batch.input_ids):
+            input_ids = self.future_map.resolve(input_ids)
         return ForwardBatch(
             forward_mode=batch.forward_mode,
             batch_size=len(batch.reqs),
@@ -213,19 +181,16 @@ class ModelRunner:
         model = self.decode_model(forward_batch.batch_size) if forward_batch.forward_mode.is_decode() else self.model
         return model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
-    def decode_model(self, batch_size: int) -> torch.nn.Module:
+    def decode_model(self, batch_size: int) -> Callable[..., torch.Tensor]:
         """The model a decode batch runs: compiled up to torch_compile_max_bs with --enable-torch-compile.
-        Extends stay eager: compiled with dynamic token counts they ran slower on an H200
-        (offline_gpu prefill steps 27.9 -> 49.8 ms)."""
+        Extends stay eager: compiled with dynamic token counts they ran slower."""
         if self.compiled_model is not None and batch_size <= self.config.torch_compile_max_bs:
             return self.compiled_model
         return self.model
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs, forward_batch: ForwardBatch) -> HostSample:
-        """Sample on the device, remember each slot's token for placeholder inputs, and start copying
-        the result to the host; `HostSample.wait()` then waits for this step only."""
+    def sample(self, logits: torch.Tensor, reqs: list[Req], forward_batch: ForwardBatch) -> HostSample:
+        """Sample on the device and hand the tokens to the FutureMap (for future-token inputs, and on
+        their way to the host); `HostSample.wait()` then waits for this step only."""
         info = SamplingBatchInfo.from_requests(reqs, self.vocab_size, logits.device, self.eos_token_ids)
-        out = self.sampler(logits, info)
-        self.last_token_ids[forward_batch.req_pool_indices] = out.next_token_ids
-        return HostSample.start(out)
+        return self.future_map.store(forward_batch.req_pool_indices, self.sampler(logits, info))

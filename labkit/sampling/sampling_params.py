@@ -25,7 +25,8 @@ class SamplingParams:
     """How one request is decoded.
 
     ``temperature == 0`` or ``top_k == 1`` means greedy. ``top_k == -1`` disables top-k.
-    Call :meth:`normalize` then :meth:`verify` before the request enters the scheduler.
+    :meth:`verify` then :meth:`normalize` run before the request enters the scheduler
+    (``RequestLimits.check``).
     """
 
     max_new_tokens: int = 128

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from labkit.mem_cache.allocator import TokenToKVPoolAllocator
+from labkit.mem_cache.base_prefix_cache import BasePrefixCache, held_row
+from labkit.mem_cache.memory_pool import ReqToTokenPool
 from labkit.scheduler.schedule_batch import Req, ScheduleBatch
 
 
@@ -13,7 +16,7 @@ def new_slots_needed(prefix_len: int, seq_len: int, page_size: int) -> int:
     return (-(-seq_len // page_size) - (-(-prefix_len // page_size))) * page_size
 
 
-def ensure_free(tree_cache, allocator, needed: int) -> bool:
+def ensure_free(tree_cache: BasePrefixCache, allocator: TokenToKVPoolAllocator, needed: int) -> bool:
     short = needed - allocator.available_size()
     if short > 0:
         tree_cache.evict(short)
@@ -27,7 +30,13 @@ def _last_locs(host_table: torch.Tensor, rows: torch.Tensor, prefix_lens: list[i
     return host_table[rows, pos.clamp(min=0)].masked_fill_(pos < 0, -1).tolist()
 
 
-def alloc_for_extend(batch: ScheduleBatch, req_to_token_pool, allocator, tree_cache, page_size: int) -> bool:
+def alloc_for_extend(
+    batch: ScheduleBatch,
+    req_to_token_pool: ReqToTokenPool,
+    allocator: TokenToKVPoolAllocator,
+    tree_cache: BasePrefixCache,
+    page_size: int,
+) -> bool:
     """Give every request of an EXTEND batch a request slot and KV slots for its new tokens.
     False (and nothing held by this call) when memory is short."""
     fresh = [r for r in batch.reqs if r.req_pool_idx is None]
@@ -45,21 +54,23 @@ def alloc_for_extend(batch: ScheduleBatch, req_to_token_pool, allocator, tree_ca
         out = allocator.alloc_extend(prefix_lens, seq_lens, _last_locs(req_to_token_pool.host, rows, prefix_lens))
     if out is None:
         for req in fresh:
-            req_to_token_pool.free(req.req_pool_idx)
+            req_to_token_pool.free(held_row(req))
             req.req_pool_idx = None
         return False
     # One write for the fresh requests' cached prefixes and everyone's new slots.
-    rows, cols, values = [], [], []
+    row_parts: list[torch.Tensor] = []
+    col_parts: list[torch.Tensor] = []
+    value_parts: list[torch.Tensor] = []
     for req in fresh:
         n = len(req.prefix_indices)
-        rows.append(torch.full((n,), req.req_pool_idx, dtype=torch.int64))
-        cols.append(torch.arange(n))
-        values.append(req.prefix_indices)
+        row_parts.append(torch.full((n,), held_row(req), dtype=torch.int64))
+        col_parts.append(torch.arange(n))
+        value_parts.append(req.prefix_indices)
     for req, p, s in zip(batch.reqs, prefix_lens, seq_lens):
-        rows.append(torch.full((s - p,), req.req_pool_idx, dtype=torch.int64))
-        cols.append(torch.arange(p, s))
-    values.append(out)
-    req_to_token_pool.write(torch.cat(rows), torch.cat(cols), torch.cat(values))
+        row_parts.append(torch.full((s - p,), held_row(req), dtype=torch.int64))
+        col_parts.append(torch.arange(p, s))
+    value_parts.append(out)
+    req_to_token_pool.write(torch.cat(row_parts), torch.cat(col_parts), torch.cat(value_parts))
     for req, p, s in zip(batch.reqs, prefix_lens, seq_lens):
         ids = req.all_ids
         batch.input_ids.extend(ids[p:s])
@@ -74,13 +85,19 @@ def decode_slots_needed(reqs: list[Req], page_size: int) -> int:
     return sum(page_size for r in reqs if r.kv_len % page_size == 0)
 
 
-def alloc_for_decode(batch: ScheduleBatch, req_to_token_pool, allocator, tree_cache, page_size: int) -> bool:
+def alloc_for_decode(
+    batch: ScheduleBatch,
+    req_to_token_pool: ReqToTokenPool,
+    allocator: TokenToKVPoolAllocator,
+    tree_cache: BasePrefixCache,
+    page_size: int,
+) -> bool:
     """One KV slot per decoding request for its last sampled token."""
     reqs = batch.reqs
     if not ensure_free(tree_cache, allocator, decode_slots_needed(reqs, page_size)):
         return False
     prefix_lens = [r.kv_len for r in reqs]
-    rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+    rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64)
     out = allocator.alloc_decode([p + 1 for p in prefix_lens], _last_locs(req_to_token_pool.host, rows, prefix_lens))
     if out is None:
         return False

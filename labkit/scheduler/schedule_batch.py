@@ -11,15 +11,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from labkit.mem_cache.base_prefix_cache import BasePrefixCache, held_row
 from labkit.model_executor.forward_batch import ForwardMode
+from labkit.model_executor.future_map import FutureMap
 from labkit.sampling.sampling_params import SamplingParams
 from labkit.tokenizer.detokenizer import find_stop
 
 EMPTY_INDICES = torch.empty((0,), dtype=torch.int64)
+
+
+class Tokenizer(Protocol):
+    """What the scheduler asks of a tokenizer (a Hugging Face one): text, to look for stop strings."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
 @dataclass
@@ -50,6 +58,7 @@ class Req:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first scheduling
     is_chunked: bool = False  # its prompt is being prefilled chunk by chunk, not done yet
     retract_count: int = 0
+    detokenize_params_sent: bool = False  # they go with its first output (Scheduler.stream_output)
     # Logprobs, when asked for
     output_token_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -70,7 +79,7 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    def init_next_round_input(self, tree_cache) -> None:
+    def init_next_round_input(self, tree_cache: BasePrefixCache) -> None:
         """Match the cached prefix of what still has to be computed (waiting requests only)."""
         ids = self.all_ids
         # Keep at least one token to compute: its logits give the next token.
@@ -80,7 +89,7 @@ class Req:
 
     def drop_placeholder(self) -> None:
         """Finished with a token still on its way (overlap): that token is not part of the output."""
-        if self.output_ids and self.output_ids[-1] < 0:
+        if self.output_ids and FutureMap.is_future(self.output_ids[-1]):
             self.output_ids.pop()
 
     def reset_for_retract(self) -> None:
@@ -92,7 +101,7 @@ class Req:
         self.is_chunked = False
         self.retract_count += 1
 
-    def check_finished(self, eos_token_ids: set[int], tokenizer, max_len: int) -> None:
+    def check_finished(self, eos_token_ids: set[int], tokenizer: Tokenizer | None, max_len: int) -> None:
         """Finish on max_new_tokens, the context limit, EOS / stop token ids, or a stop string."""
         if self.finished_reason is not None:
             return
@@ -105,7 +114,7 @@ class Req:
         if len(self.output_ids) >= params.max_new_tokens or self.seqlen >= max_len:
             self.finished_reason = FinishReason("length", len(self.output_ids))
 
-    def _stop_reason(self, eos_token_ids: set[int], tokenizer) -> int | str | None:
+    def _stop_reason(self, eos_token_ids: set[int], tokenizer: Tokenizer | None) -> int | str | None:
         params = self.sampling_params
         last = self.output_ids[-1]
         if params.stop_token_ids and last in params.stop_token_ids:
@@ -145,7 +154,8 @@ class ScheduleBatch:
 
     @property
     def req_pool_indices(self) -> list[int]:
-        return [r.req_pool_idx for r in self.reqs]
+        """The request slot of each request (all hold one once the batch's memory is allocated)."""
+        return [held_row(r) for r in self.reqs]
 
     def is_empty(self) -> bool:
         return not self.reqs

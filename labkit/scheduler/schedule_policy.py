@@ -13,8 +13,10 @@ import random
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
+from labkit.mem_cache.allocator import TokenToKVPoolAllocator
+from labkit.mem_cache.base_prefix_cache import BasePrefixCache
 from labkit.scheduler.batch_memory import new_slots_needed
 from labkit.scheduler.schedule_batch import Req
 
@@ -36,7 +38,7 @@ class SchedulePolicy(ABC):
         self.seed = seed
 
     @abstractmethod
-    def sort(self, waiting: list[Req], tree_cache) -> None: ...
+    def sort(self, waiting: list[Req], tree_cache: BasePrefixCache) -> None: ...
 
 
 POLICIES: dict[str, type[SchedulePolicy]] = {}
@@ -61,7 +63,7 @@ def make_policy(name: str, seed: int = 0) -> SchedulePolicy:
 class FCFSPolicy(SchedulePolicy):
     """First come, first served: arrival order (retracted requests were put back at the front)."""
 
-    def sort(self, waiting: list[Req], tree_cache) -> None:
+    def sort(self, waiting: list[Req], tree_cache: BasePrefixCache) -> None:
         return None
 
 
@@ -69,7 +71,7 @@ class FCFSPolicy(SchedulePolicy):
 class LongestOutputFirstPolicy(SchedulePolicy):
     """Longest max_new_tokens first."""
 
-    def sort(self, waiting: list[Req], tree_cache) -> None:
+    def sort(self, waiting: list[Req], tree_cache: BasePrefixCache) -> None:
         waiting.sort(key=lambda r: -r.sampling_params.max_new_tokens)
 
 
@@ -79,7 +81,7 @@ class RandomPolicy(SchedulePolicy):
         super().__init__(seed)
         self.rng = random.Random(seed)
 
-    def sort(self, waiting: list[Req], tree_cache) -> None:
+    def sort(self, waiting: list[Req], tree_cache: BasePrefixCache) -> None:
         self.rng.shuffle(waiting)
 
 
@@ -89,7 +91,7 @@ class LongestPrefixMatchPolicy(SchedulePolicy):
 
     needs_prefix_match = True
 
-    def sort(self, waiting: list[Req], tree_cache) -> None:
+    def sort(self, waiting: list[Req], tree_cache: BasePrefixCache) -> None:
         waiting.sort(key=lambda r: -len(r.prefix_indices))
 
 
@@ -100,7 +102,7 @@ class DFSWeightPolicy(SchedulePolicy):
 
     needs_prefix_match = True
 
-    def sort(self, waiting: list[Req], tree_cache) -> None:
+    def sort(self, waiting: list[Req], tree_cache: BasePrefixCache) -> None:
         by_node: dict[int, list[Req]] = defaultdict(list)
         weight: dict[int, int] = defaultdict(int)
         for req in waiting:
@@ -116,7 +118,7 @@ class DFSWeightPolicy(SchedulePolicy):
         # to the tree last) before the requests that stop at the node itself, so requests matching
         # nothing (at the root) do not jump ahead of a group.
         order: list[Req] = []
-        stack: list[tuple[object, bool]] = [(root, False)]
+        stack: list[tuple[Any, bool]] = [(root, False)]
         while stack:
             node, expanded = stack.pop()
             if expanded:
@@ -144,8 +146,8 @@ class PrefillAdder:
 
     def __init__(
         self,
-        tree_cache,
-        allocator,
+        tree_cache: BasePrefixCache,
+        allocator: TokenToKVPoolAllocator,
         running: list[Req],
         new_token_ratio: float,
         max_prefill_tokens: int,

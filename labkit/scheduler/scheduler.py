@@ -2,7 +2,8 @@
 
 recv_requests/process_input_requests (add_request, abort_request) -> get_next_batch_to_run ->
 run_batch -> process_batch_result. `step()` does one iteration and returns a StepOutput; the
-Engine drives it in-process, the server's scheduler process in its event loop.
+Engine drives it in-process, the server's scheduler process in its event loop. The scheduler owns
+its state: others ask it (from_config, flush_cache, reset, waiting_order) rather than set fields.
 """
 
 from __future__ import annotations
@@ -14,16 +15,22 @@ import torch
 
 from labkit.config import EngineConfig
 from labkit.io_struct import TokenizedGenerateReqInput
+from labkit.mem_cache.base_prefix_cache import BasePrefixCache, held_row
 from labkit.mem_cache.chunk_cache import ChunkCache
 from labkit.mem_cache.radix_cache import RadixCache
 from labkit.model_executor.forward_batch import ForwardMode
-from labkit.model_executor.model_runner import HostSample, future_token
+from labkit.model_executor.future_map import FutureMap, HostSample
+from labkit.model_executor.model_runner import ModelRunner
+from labkit.model_loader.loader import model_dir_and_tokenizer
 from labkit.sampling.sampler import SampleOutput
 from labkit.scheduler.batch_memory import alloc_for_decode, alloc_for_extend, decode_slots_needed
 from labkit.scheduler.limits import RequestLimits
-from labkit.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch
-from labkit.scheduler.schedule_policy import PrefillAdder, make_policy
-from labkit.trace.events import PoolUsage, Station, StepRecord
+from labkit.scheduler.output_processor import SchedulerOutputProcessorMixin
+from labkit.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, Tokenizer
+from labkit.scheduler.schedule_policy import PrefillAdder, SchedulePolicy, make_policy
+from labkit.scheduler.scheduler_metrics import SchedulerMetricsMixin
+from labkit.trace.events import Station
+from labkit.trace.recorder import Tracer
 
 INIT_NEW_TOKEN_RATIO = 0.7  # share of max_new_tokens a running request is expected to still need
 MIN_NEW_TOKEN_RATIO = 0.1
@@ -31,10 +38,9 @@ NEW_TOKEN_RATIO_DECAY = 0.002  # per decode step, back towards the minimum after
 
 
 def default_chunked_prefill_size(device: torch.device) -> int:
-    """Prompt tokens per prefill step when --chunked-prefill-size is not given. On an H200 a
-    2048-token eager prefill step spent 12.2 ms of host time in its forward call (as long as its GPU
-    time), so larger chunks amortize it: offline_gpu's prefill took 0.96 s in 2048-token chunks and
-    0.31-0.45 s in 8192-token ones (16384: 1.45 s in 160 ms steps, not yet explained)."""
+    """Prompt tokens per prefill step when --chunked-prefill-size is not given. On CUDA an eager
+    prefill step's forward call costs about as much host time as GPU time, so larger chunks amortize
+    it; 8192 was the fastest measured (docs/benchmarks.md)."""
     return 8192 if device.type == "cuda" else 2048
 
 
@@ -64,8 +70,10 @@ class StepOutput:
     cache_hit_tokens: int = 0
 
 
-class Scheduler:
-    def __init__(self, config: EngineConfig, model_runner, tokenizer, tracer=None):
+class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
+    def __init__(
+        self, config: EngineConfig, model_runner: ModelRunner, tokenizer: Tokenizer | None, tracer: Tracer | None = None
+    ):
         self.config = config
         self.model_runner = model_runner
         self.tokenizer = tokenizer
@@ -73,12 +81,13 @@ class Scheduler:
         self.page_size = config.page_size
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.allocator = model_runner.token_to_kv_pool_allocator
+        self.tree_cache: BasePrefixCache
         if config.disable_radix_cache:
             self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
         else:
             on_event = tracer.tree if tracer is not None else None
             self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size, on_event=on_event)
-        self.policy = make_policy(config.schedule_policy, config.random_seed)
+        self.policy = self._make_policy(config.schedule_policy, None)
         self.max_req_len = model_runner.context_len
         self.limits = RequestLimits(model_runner.vocab_size, self.max_req_len, self.allocator.size)
         chunk = config.chunked_prefill_size
@@ -89,12 +98,52 @@ class Scheduler:
         self.running: list[Req] = []  # decoding requests
         self.chunked_req: Req | None = None
         self.aborted: list[Req] = []  # aborted since the last step, reported by the next one
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness
+        self.new_token_ratio = self.init_new_token_ratio
         self.step_id = 0
         # Overlap scheduling: the batch launched last step, whose tokens the host has not taken yet.
         on_cuda = model_runner.device.type == "cuda"
         self.overlap = not config.disable_overlap_schedule and (on_cuda or config.overlap_schedule_on_cpu)
         self.in_flight: tuple[ScheduleBatch, HostSample] | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, tracer: Tracer | None = None) -> Scheduler:
+        """Load the tokenizer and model, size the pools, and build the scheduler around them. The
+        Engine and the server's scheduler process both start here."""
+        model_dir, tokenizer = model_dir_and_tokenizer(config.model_path, config.load_format)
+        return cls(config, ModelRunner(config, tokenizer, model_dir), tokenizer, tracer)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def flush_cache(self) -> None:
+        """Drop the prefix cache, returning its KV slots. RuntimeError while requests are in flight
+        (they hold locks on it); the scheduler is unchanged then."""
+        if self.has_work():
+            raise RuntimeError("cannot flush the cache while requests are waiting or running")
+        self.tree_cache.reset()
+
+    def reset(self, policy: str | None = None, seed: int | None = None) -> None:
+        """Start over as a freshly built scheduler, for the next run on the same model: empty prefix
+        cache, steps counted from 1 again, the new-token ratio at its initial value (it moves during
+        a run and changes admissions), and `policy` seeded with `seed` (default: the configured ones).
+        RuntimeError while requests are in flight, ValueError for an unknown policy; the scheduler is
+        unchanged then."""
+        new_policy = self._make_policy(policy or self.config.schedule_policy, seed)
+        self.flush_cache()
+        self.new_token_ratio = self.init_new_token_ratio
+        self.step_id = 0
+        self.policy = new_policy
+
+    def set_policy(self, name: str, seed: int | None = None) -> None:
+        """Order the waiting queue by the registered policy `name` from the next step on (seed:
+        default config.random_seed). ValueError for an unknown name; the policy is unchanged then."""
+        self.policy = self._make_policy(name, seed)
+
+    def _make_policy(self, name: str, seed: int | None) -> SchedulePolicy:
+        return make_policy(name, self.config.random_seed if seed is None else seed)
+
+    @property
+    def init_new_token_ratio(self) -> float:
+        """new_token_ratio at the start and after a retraction (it decays as decoding goes well)."""
+        return INIT_NEW_TOKEN_RATIO * self.config.schedule_conservativeness
 
     # ---- input -------------------------------------------------------------------------------
     def add_request(self, recv: TokenizedGenerateReqInput) -> Req:
@@ -109,6 +158,16 @@ class Scheduler:
             req.times["arrival"] = recv.created_time
         self.waiting_queue.append(req)
         return req
+
+    def waiting_order(self, policy: str) -> list[Req]:
+        """The waiting requests in the order the registered `policy` (seeded with config.random_seed)
+        would take them now: each is matched against the prefix cache first, as a step does, then
+        the policy sorts a copy of the queue. The queue itself keeps its order."""
+        for req in self.waiting_queue:
+            req.init_next_round_input(self.tree_cache)
+        order = list(self.waiting_queue)
+        self._make_policy(policy, None).sort(order, self.tree_cache)
+        return order
 
     def find_request(self, rid: str) -> Req | None:
         live = self.waiting_queue + self.running + ([self.chunked_req] if self.chunked_req else [])
@@ -142,27 +201,29 @@ class Scheduler:
     # ---- one iteration -----------------------------------------------------------------------
     def step(self) -> StepOutput:
         """Schedule and launch a batch, then take in the tokens of the batch before it. Without
-        overlap that is the batch just launched. With overlap (seed 003) it is the previous one: its
-        forward ran on the device while the host scheduled and launched this one, so a step reports
-        the tokens of the batch launched one step earlier."""
+        overlap that is the batch just launched. With overlap it is the previous one: its forward ran
+        on the device while the host scheduled and launched this one, so a step reports the tokens of
+        the batch launched one step earlier (see labkit.model_executor.future_map)."""
         self.step_id += 1
         start = time.perf_counter()
         self._release_aborted()
         out = StepOutput(step=self.step_id, forward_mode=ForwardMode.IDLE, finished=self.aborted)
         self.aborted = []
         batch = self.get_next_batch_to_run(out)
-        if batch is not None and self.in_flight is not None and batch_needs_host_history(batch):
-            self._take_in_flight(out, batch)  # its penalties need the tokens still on the device
-        launched = self.run_batch(batch) if batch is not None else None
-        self._take_in_flight(out, batch)
-        if batch is not None:
+        if batch is None:
+            self._take_in_flight(out, None)
+        else:
+            if self.in_flight is not None and batch_needs_host_history(batch):
+                self._take_in_flight(out, batch)  # its penalties need the tokens still on the device
+            launched = self.run_batch(batch)
+            self._take_in_flight(out, batch)
             self.commit_batch(batch)
             # A batch of requests that all finished meanwhile (or a prompt chunk) has no token to take.
             self.in_flight = (batch, launched) if batch.sampled_rows else None
             if not self.overlap:
                 self._take_in_flight(out, None)
         if self.tracer is not None:
-            self._trace_step(out, start)
+            self._trace_step(self.tracer, out, start)
         return out
 
     def _take_in_flight(self, out: StepOutput, next_batch: ScheduleBatch | None) -> None:
@@ -267,7 +328,7 @@ class Scheduler:
         """Decode every running request; retract some first if their next tokens do not fit."""
         if decode_slots_needed(self.running, self.page_size) > self._reclaimable():
             out.retracted = self.retract_decode()
-            self.new_token_ratio = INIT_NEW_TOKEN_RATIO * self.config.schedule_conservativeness
+            self.new_token_ratio = self.init_new_token_ratio
         else:
             floor = MIN_NEW_TOKEN_RATIO * self.config.schedule_conservativeness
             self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, floor)
@@ -311,7 +372,7 @@ class Scheduler:
         mid = time.perf_counter()
         sample = self.model_runner.sample(logits, batch.reqs, forward_batch)
         if self.tracer is not None:  # reads the logits now: tracing gives up the overlap
-            self._trace_forward(batch, logits, sample.wait(), start, mid, time.perf_counter())
+            self._trace_forward(self.tracer, batch, logits, sample.wait(), start, mid, time.perf_counter())
         return sample
 
     def commit_batch(self, batch: ScheduleBatch) -> None:
@@ -325,7 +386,7 @@ class Scheduler:
             if req.is_chunked:  # more prompt to come: keep the chunk's KV; its token is discarded
                 self.tree_cache.cache_unfinished_req(req)
                 continue
-            req.output_ids.append(future_token(req.req_pool_idx))
+            req.output_ids.append(FutureMap.future_token(held_row(req)))
             batch.sampled_rows.append(i)
             if id(req) not in decoding:  # prefill done: share the prompt's KV, start decoding
                 self.tree_cache.cache_unfinished_req(req)
@@ -349,7 +410,7 @@ class Scheduler:
             req.times.setdefault("first_token", now)
             if logprobs is not None and req.sampling_params.return_logprob:
                 req.output_token_logprobs.append(logprobs[i])
-                if req.sampling_params.top_logprobs_num:
+                if req.sampling_params.top_logprobs_num and result.top_logprobs is not None:
                     ids, lps = result.top_logprobs[i]
                     req.output_top_logprobs.append(list(zip(ids, lps)))
             out.new_token_ids[req.rid] = next_ids[i]
@@ -368,91 +429,3 @@ class Scheduler:
         if in_next_batch:
             req.kv_len += 1
         self._release(req)
-
-    # ---- observability -----------------------------------------------------------------------
-    def pool_usage(self) -> PoolUsage:
-        """KV slots by owner, counted independently (a leak shows as a sum that is off)."""
-        p = self.page_size
-        live = self.running + ([self.chunked_req] if self.chunked_req else [])
-        table = self.req_to_token_pool.host
-        owned: set[int] = set()
-        for req in live:
-            if req.req_pool_idx is not None and req.kv_len:
-                owned.update((table[req.req_pool_idx, : req.kv_len] // p).tolist())
-        tree_pages: set[int] = set()
-        for node in self.tree_cache.nodes():
-            if len(node.value):
-                tree_pages.update((node.value // p).tolist())
-        return PoolUsage(
-            total=self.allocator.size,
-            free=self.allocator.available_size(),
-            evictable=self.tree_cache.evictable_size(),
-            protected=self.tree_cache.protected_size(),
-            request_owned=len(owned - tree_pages) * p,
-        )
-
-    def _trace_forward(self, batch: ScheduleBatch, logits, sample, start: float, mid: float, end: float) -> None:
-        top = torch.topk(logits, k=min(5, logits.shape[-1]), dim=-1)
-        offset = 0
-        loc = batch.out_cache_loc.tolist()
-        for i, req in enumerate(batch.reqs):
-            n = batch.extend_lens[i]
-            sl = slice(offset, offset + n)
-            offset += n
-            self.tracer.station(
-                req.rid,
-                Station.BATCH,
-                start,
-                start,
-                step=self.step_id,
-                mode=batch.forward_mode.name,
-                batch_size=len(batch.reqs),
-                prefix_len=batch.prefix_lens[i],
-                extend_len=n,
-            )
-            self.tracer.station(
-                req.rid,
-                Station.FORWARD,
-                start,
-                mid,
-                step=self.step_id,
-                input_ids=batch.input_ids[sl],
-                positions=batch.positions[sl],
-                out_cache_loc=loc[sl],
-                req_pool_idx=req.req_pool_idx,
-            )
-            self.tracer.station(
-                req.rid,
-                Station.SAMPLE,
-                mid,
-                end,
-                step=self.step_id,
-                token=int(sample.next_token_ids[i]),
-                discarded=req.is_chunked,
-                top_ids=top.indices[i].tolist(),
-                top_logits=top.values[i].tolist(),
-            )
-
-    def _trace_step(self, out: StepOutput, start: float) -> None:
-        self.tracer.step(
-            StepRecord(
-                step=out.step,
-                start=start,
-                end=time.perf_counter(),
-                forward_mode=out.forward_mode.name,
-                rids=out.rids,
-                extend_lens=out.extend_lens,
-                prefix_lens=out.prefix_lens,
-                num_tokens=sum(out.extend_lens),
-                cache_hit_tokens=out.cache_hit_tokens,
-                pool=self.pool_usage(),
-                running=len(self.running),
-                waiting=len(self.waiting_queue),
-                chunked_rid=self.chunked_req.rid if self.chunked_req else None,
-                finished=[r.rid for r in out.finished],
-                retracted=out.retracted,
-                blocked=out.blocked,
-            )
-        )
-        # The tree with its locks and the waiting queue with its matches, for replaying (labkit.viz).
-        self.tracer.snapshot(out.step, self.tree_cache, self.waiting_queue)

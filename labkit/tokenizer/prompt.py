@@ -1,9 +1,18 @@
 """Station 3 (tokenize): a request's prompt, given as text, token ids or chat messages, to token ids.
-Shared by the in-process Engine and the server's TokenizerManager."""
+`tokenize_request` is the station itself, called by the in-process Engine and by the server's
+TokenizerManager alike."""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
+
+from labkit.io_struct import GenerateReqInput, TokenizedGenerateReqInput
+from labkit.trace.events import Station
+
+if TYPE_CHECKING:
+    from labkit.scheduler.limits import RequestLimits
+    from labkit.trace.recorder import Tracer
 
 
 def apply_chat_template(tokenizer, messages: Any) -> str:
@@ -46,3 +55,31 @@ def encode_prompt(
     if not isinstance(text, str):
         raise ValueError("prompt must be a string")
     return text, tokenizer(text)["input_ids"]
+
+
+def tokenize_request(
+    tokenizer: Any,
+    req: GenerateReqInput,
+    rid: str,
+    limits: RequestLimits | None = None,
+    tracer: Tracer | None = None,
+) -> TokenizedGenerateReqInput:
+    """Encode `req`'s prompt and, with `limits`, check it and its sampling parameters against what
+    the scheduler accepts (so that bad input is refused before it travels). Records the TOKENIZE
+    station. Raises ValueError for bad input."""
+    start = time.perf_counter()
+    text, ids = encode_prompt(tokenizer, req.text, req.input_ids, req.messages)
+    if limits is not None:
+        limits.check(ids, req.sampling_params)
+    tokenized = TokenizedGenerateReqInput(
+        rid=rid,
+        input_text=text,
+        input_ids=ids,
+        sampling_params=req.sampling_params,
+        stream=req.stream,
+        received_time=start,
+        created_time=time.perf_counter(),
+    )
+    if tracer is not None:
+        tracer.station(rid, Station.TOKENIZE, start, tokenized.created_time, text=text, input_ids=ids)
+    return tokenized

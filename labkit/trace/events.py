@@ -9,7 +9,7 @@ from typing import Any
 
 
 class Station(IntEnum):
-    """The ten stations every request passes (seed 000)."""
+    """The ten stations every request passes (docs/architecture.md maps each to its code)."""
 
     HTTP_RECEIVE = 1
     PARSE_VALIDATE = 2

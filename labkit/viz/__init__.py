@@ -2,7 +2,7 @@
 separate simulation. Figures are matplotlib Figures (returned, not shown: a notebook displays the
 value of a cell), tables are pandas DataFrames.
 
-    run = Run.of(engine)                       # or run_requests(engine, requests) -> Run
+    run = Run.of(engine)                       # or labkit.bench.runner.run_requests(engine, requests)
     draw_radix_tree(run, step=5)               # the tree as step 5 left it (engine alone: live now)
     draw_timeline(run); draw_memory(run); draw_waiting(run)
     draw_journey(run, rid); journey_latency(run, rid)    # one request's ten stations, TTFT, per-token times
@@ -32,20 +32,6 @@ from labkit.viz.timeline import batch_frame, cells_frame, draw_timeline, draw_ti
 from labkit.viz.tree import draw_radix_tree
 from labkit.viz.waiting import draw_waiting, waiting_frame, waiting_table
 from labkit.viz.widgets import RunReplayer, StationStepper, fig_png, widget_frontend
-from labkit.viz.workloads import (
-    Request,
-    bench_policies,
-    chat_requests,
-    latency_table,
-    mini_model_path,
-    random_workload,
-    request_metrics,
-    run_policy,
-    run_requests,
-    shared_prefix_workload,
-    summarize,
-    token_times,
-)
 
 
 def _register_png_formatter() -> None:
@@ -70,10 +56,8 @@ def _register_png_formatter() -> None:
 _register_png_formatter()
 
 __all__ = [
-    "Run", "Request", "RunReplayer", "StationStepper", "batch_frame", "bench_policies", "cells_frame",
-    "chat_requests", "describe_request", "draw_journey", "draw_kv_pool", "draw_memory", "draw_policy_comparison",
-    "draw_radix_tree", "draw_stations_by_process", "draw_timeline", "draw_timelines", "draw_waiting",
-    "fragmentation", "journey_latency", "kv_snapshot", "latency_table", "memory_frame", "mini_model_path",
-    "page_owners", "random_workload", "req_to_token_table", "request_metrics", "run_policy", "run_requests",
-    "shared_prefix_workload", "summarize", "token_times", "waiting_frame", "waiting_table", "widget_frontend",
+    "Run", "RunReplayer", "StationStepper", "batch_frame", "cells_frame", "describe_request", "draw_journey",
+    "draw_kv_pool", "draw_memory", "draw_policy_comparison", "draw_radix_tree", "draw_stations_by_process",
+    "draw_timeline", "draw_timelines", "draw_waiting", "fragmentation", "journey_latency", "kv_snapshot",
+    "memory_frame", "page_owners", "req_to_token_table", "waiting_frame", "waiting_table", "widget_frontend",
 ]  # fmt: skip

@@ -21,8 +21,9 @@ def test_kernels_are_interpreted_in_this_session():
 
 
 def test_a_plain_cpu_process_runs_the_triton_backend():
-    """`import labkit` imports Triton (through torch.compiler); the interpreter switch must be set
-    before that, by labkit itself: a fresh process without TRITON_INTERPRET runs the triton backend."""
+    """The Engine imports Triton (through torch.compile and labkit.kernels); the interpreter switch
+    must be set before that, by labkit itself: a fresh process without TRITON_INTERPRET runs the
+    triton backend."""
     code = (
         "from labkit import Engine\n"
         "e = Engine(model_path='tiny-llama', load_format='dummy', attention_backend='triton')\n"

@@ -10,6 +10,8 @@ import httpx
 import pytest
 from server_process import MODEL, wait_idle
 
+pytestmark = pytest.mark.slow  # a real server on the embedded model
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -13,6 +13,8 @@ from server_process import MODEL, wait_idle
 
 from labkit.server.process import start_server
 
+pytestmark = pytest.mark.slow  # a real server on the embedded model
+
 KEY = "sk-test-key"
 LONG = {
     "max_tokens": 200,

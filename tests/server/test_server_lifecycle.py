@@ -70,6 +70,7 @@ def test_config_file_with_an_unknown_option_is_refused(tmp_path):
         ServerArgs.from_cli(["--config", str(path)])
 
 
+@pytest.mark.slow
 def test_trace_file_is_written_at_shutdown(tmp_path):
     trace = tmp_path / "trace.json"
     s = start_server("--log-level", "warning", "--trace-file", str(trace))
@@ -85,6 +86,7 @@ def test_trace_file_is_written_at_shutdown(tmp_path):
     assert any(e.get("cat") == "step" for e in events)
 
 
+@pytest.mark.slow
 def test_health_is_503_while_starting_then_a_killed_scheduler_fails_requests_and_exits():
     proc, port = spawn_server("--log-level", "warning")
     url = f"http://127.0.0.1:{port}"

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from labkit import Engine
-from labkit.viz import run_requests, shared_prefix_workload
+from labkit.bench.datasets import shared_prefix_workload
+from labkit.bench.runner import run_requests
 
 TINY = dict(model_path="tiny-llama", load_format="dummy")
 

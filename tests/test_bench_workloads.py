@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
+
 from labkit import Engine
-from labkit.viz import Request, random_workload, run_policy, run_requests, shared_prefix_workload
-from labkit.viz.workloads import bench_policies, latency_table, policy_orders, token_times
+from labkit.bench.datasets import Request, random_workload, shared_prefix_workload
+from labkit.bench.policies import bench_policies, policy_orders, run_policy
+from labkit.bench.runner import latency_table, run_requests, token_times
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """Engine keyword arguments for the tiny random-weight model."""
+    return dict(model_path="tiny-llama", load_format="dummy")
 
 
 def test_static_batching_admits_a_group_only_when_the_last_one_finished(tiny):
@@ -22,6 +31,17 @@ def test_static_batching_admits_a_group_only_when_the_last_one_finished(tiny):
     cont = run_requests(engine, reqs)
     assert len(cont.steps) < len(run.steps)
     assert set(cont.results) == set(run.results)
+
+
+def test_static_batching_counts_the_time_a_group_waits_for_the_one_before(tiny):
+    engine = Engine(enable_trace=True, max_total_tokens=1024, **tiny)
+    reqs = random_workload(num=4, input_len=(4, 12), output_len=(2, 9), vocab_size=256)
+    run = run_requests(engine, reqs, static_batch_size=2)
+    meta = {rid: r["meta_info"] for rid, r in run.results.items()}
+    first_done = max(meta[r.rid]["e2e_latency"] for r in reqs[:2])
+    assert all(meta[r.rid]["ttft"] > first_done for r in reqs[2:])
+    queued = {c.rid for c in run.cells if c.phase == "queued" and c.step == 1}
+    assert queued == {r.rid for r in reqs[2:]}  # held back, but arrived with the others
 
 
 def test_sequential_and_timed_arrivals(tiny):

@@ -1,0 +1,130 @@
+"""SchedulerMetricsMixin: what the Scheduler reports about itself: KV pool usage by owner, and the
+trace records of each forward (stations 6-8) and each step (StepRecord plus a tree and queue
+snapshot for labkit.viz)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from labkit.mem_cache.allocator import TokenToKVPoolAllocator
+from labkit.mem_cache.base_prefix_cache import BasePrefixCache
+from labkit.mem_cache.memory_pool import ReqToTokenPool
+from labkit.sampling.sampler import SampleOutput
+from labkit.scheduler.schedule_batch import Req, ScheduleBatch
+from labkit.trace.events import PoolUsage, Station, StepRecord
+from labkit.trace.recorder import Tracer
+
+if TYPE_CHECKING:
+    from labkit.scheduler.scheduler import StepOutput
+
+
+class SchedulerMetricsMixin:
+    """Mixed into Scheduler, which provides the state below. Reads it only."""
+
+    page_size: int
+    step_id: int
+    running: list[Req]
+    waiting_queue: list[Req]
+    chunked_req: Req | None
+    req_to_token_pool: ReqToTokenPool
+    allocator: TokenToKVPoolAllocator
+    tree_cache: BasePrefixCache
+
+    def pool_usage(self) -> PoolUsage:
+        """KV slots by owner, counted independently (a leak shows as a sum that is off)."""
+        p = self.page_size
+        live = self.running + ([self.chunked_req] if self.chunked_req else [])
+        table = self.req_to_token_pool.host
+        owned: set[int] = set()
+        for req in live:
+            if req.req_pool_idx is not None and req.kv_len:
+                owned.update((table[req.req_pool_idx, : req.kv_len] // p).tolist())
+        tree_pages: set[int] = set()
+        for node in self.tree_cache.nodes():
+            if len(node.value):
+                tree_pages.update((node.value // p).tolist())
+        return PoolUsage(
+            total=self.allocator.size,
+            free=self.allocator.available_size(),
+            evictable=self.tree_cache.evictable_size(),
+            protected=self.tree_cache.protected_size(),
+            request_owned=len(owned - tree_pages) * p,
+        )
+
+    def _trace_forward(
+        self,
+        tracer: Tracer,
+        batch: ScheduleBatch,
+        logits: torch.Tensor,
+        sample: SampleOutput,
+        start: float,
+        mid: float,
+        end: float,
+    ) -> None:
+        top = torch.topk(logits, k=min(5, logits.shape[-1]), dim=-1)
+        offset = 0
+        loc = batch.out_cache_loc.tolist()
+        for i, req in enumerate(batch.reqs):
+            n = batch.extend_lens[i]
+            sl = slice(offset, offset + n)
+            offset += n
+            tracer.station(
+                req.rid,
+                Station.BATCH,
+                start,
+                start,
+                step=self.step_id,
+                mode=batch.forward_mode.name,
+                batch_size=len(batch.reqs),
+                prefix_len=batch.prefix_lens[i],
+                extend_len=n,
+            )
+            tracer.station(
+                req.rid,
+                Station.FORWARD,
+                start,
+                mid,
+                step=self.step_id,
+                input_ids=batch.input_ids[sl],
+                positions=batch.positions[sl],
+                out_cache_loc=loc[sl],
+                req_pool_idx=req.req_pool_idx,
+            )
+            tracer.station(
+                req.rid,
+                Station.SAMPLE,
+                mid,
+                end,
+                step=self.step_id,
+                token=int(sample.next_token_ids[i]),
+                discarded=req.is_chunked,
+                top_ids=top.indices[i].tolist(),
+                top_logits=top.values[i].tolist(),
+            )
+
+    def _trace_step(self, tracer: Tracer, out: StepOutput, start: float) -> None:
+        tracer.step(
+            StepRecord(
+                step=out.step,
+                start=start,
+                end=time.perf_counter(),
+                forward_mode=out.forward_mode.name,
+                rids=out.rids,
+                extend_lens=out.extend_lens,
+                prefix_lens=out.prefix_lens,
+                num_tokens=sum(out.extend_lens),
+                cache_hit_tokens=out.cache_hit_tokens,
+                pool=self.pool_usage(),
+                running=len(self.running),
+                waiting=len(self.waiting_queue),
+                chunked_rid=self.chunked_req.rid if self.chunked_req else None,
+                finished=[r.rid for r in out.finished],
+                retracted=out.retracted,
+                blocked=out.blocked,
+            )
+        )
+        # The tree with its locks and the waiting queue with its matches, for replaying (labkit.viz).
+        tracer.snapshot(out.step, self.tree_cache, self.waiting_queue)
