@@ -80,6 +80,22 @@ def test_payload_shortening():
     assert len(ev.tokens) == 30 and len(tr.tree_events[-1].tokens) == 9
 
 
+def test_shortened_records_cross_the_server_processes():
+    """Trace records travel between the server's processes inside msgspec messages: what the
+    recorder shortened (a string marker in a token list) must decode as it was sent."""
+    import msgspec
+
+    from labkit.io_struct import BatchStrOutput, BatchTokenIDOutput, TraceChunk
+    from labkit.server.ipc import ENCODER
+
+    tr = make_tracer()
+    for kind in (BatchTokenIDOutput, BatchStrOutput):
+        sent = kind(outputs=[], trace=TraceChunk.drain(make_tracer()))
+        got = msgspec.msgpack.Decoder(kind).decode(ENCODER.encode(sent))
+        assert got.trace.tree_events == tr.tree_events and got.trace.tree_events[0].tokens[-1] == "...<20 total>"
+        assert [e.detail for e in got.trace.events] == [e.detail for e in tr.events]
+
+
 def test_dataframe_stations():
     df = make_tracer().to_dataframe("stations")
     assert len(df) == 8

@@ -72,4 +72,5 @@ class TreeEvent:
     node_id: int
     parent_id: int | None
     num_tokens: int  # tokens in the node concerned (new node for insert/split, removed for evict)
-    tokens: list[int] = field(default_factory=list)  # the node's key (shortened by the recorder if long)
+    # The node's key; the recorder cuts a long one to its head plus one str marker of the full length.
+    tokens: list[int | str] = field(default_factory=list)
