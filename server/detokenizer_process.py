@@ -75,3 +75,4 @@ def run_detokenizer_process(args: ServerArgs, ports: PortArgs, ready: Connection
         return
     ready.send({"info": {}})
     loop.run(parent_pid)
+    ports.cleanup()  # the main process is gone (killed?) and left its socket directory

@@ -25,11 +25,49 @@ class PortArgs:
 
     @classmethod
     def create(cls) -> PortArgs:
-        d = tempfile.mkdtemp(prefix="labkit-ipc-")  # mkdtemp makes it 0700: only this user connects
+        """A new socket directory, named after this (the main) process so that a later server can
+        tell a dead server's directory from a live one's."""
+        # mkdtemp makes it 0700: only this user connects.
+        d = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
         return cls(d, f"ipc://{d}/tokenizer", f"ipc://{d}/scheduler", f"ipc://{d}/detokenizer")
 
     def cleanup(self) -> None:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+IPC_DIR_PREFIX = "labkit-ipc-"
+
+
+def remove_stale_ipc_dirs(root: str | None = None) -> list[str]:
+    """Remove the socket directories of servers whose main process is gone (killed before it could
+    clean up); returns what was removed. Only this user's directories are touched."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    for entry in os.scandir(root):
+        pid = _owner_pid(entry.name)
+        if pid is None or not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
+            continue
+        if not _pid_alive(pid):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _owner_pid(name: str) -> int | None:
+    if not name.startswith(IPC_DIR_PREFIX):
+        return None
+    pid = name[len(IPC_DIR_PREFIX) :].split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def pull_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:

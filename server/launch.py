@@ -14,6 +14,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from labkit.model_loader.embedded import EMBEDDED_MODEL_NAME
 from labkit.model_loader.loader import model_dir_and_tokenizer
 from labkit.server.detokenizer_process import run_detokenizer_process
 from labkit.server.http_server import create_app
-from labkit.server.ipc import PortArgs
+from labkit.server.ipc import PortArgs, remove_stale_ipc_dirs
 from labkit.server.process import READY_LINE
 from labkit.server.scheduler_process import run_scheduler_process
 from labkit.server.server_args import ServerArgs
@@ -166,6 +167,16 @@ def model_name_of(args: ServerArgs) -> str:
     return args.engine.model_path or EMBEDDED_MODEL_NAME
 
 
+def check_port_free(host: str, port: int) -> None:
+    """SystemExit with a clear message if (host, port) cannot be bound, e.g. another server has it."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind((host, port))
+    except OSError as e:
+        raise SystemExit(f"labkit server: cannot listen on {host}:{port}: {e.strerror}") from None
+
+
 def _exit_cleanly(signum, frame) -> None:
     raise SystemExit(0)
 
@@ -173,6 +184,9 @@ def _exit_cleanly(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = ServerArgs.from_cli(argv)
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s main] %(levelname)s %(message)s")
+    check_port_free(args.host, args.port)  # before the model loads, which takes a while
+    for path in remove_stale_ipc_dirs():
+        logger.info("removed the socket directory of a server that is gone: %s", path)
     # Before the children start: the embedded model's GGUF is converted here, once.
     _, tokenizer = model_dir_and_tokenizer(args.engine.model_path, args.engine.load_format)
     launcher = Launcher(args)

@@ -45,6 +45,7 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready: Connection, 
         return
     ready.send({"info": loop.info()})
     loop.run(parent_pid)
+    ports.cleanup()  # the main process is gone (killed?) and left its socket directory
 
 
 class SchedulerLoop:
