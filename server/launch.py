@@ -167,6 +167,21 @@ def model_name_of(args: ServerArgs) -> str:
     return args.engine.model_path or EMBEDDED_MODEL_NAME
 
 
+class _UvicornServer(uvicorn.Server):
+    """uvicorn's server, ending the requests in flight first when it shuts down: each gets an error
+    (a stream its final error event), so no connection is left for the graceful shutdown to cancel."""
+
+    def __init__(self, runtime: ServerRuntime, config: uvicorn.Config):
+        super().__init__(config)
+        self.runtime = runtime
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        tm = self.runtime.tm
+        if tm is not None and not tm.dead:
+            tm.fail_all("the server is shutting down")
+        await super().shutdown(sockets)
+
+
 def check_port_free(host: str, port: int) -> None:
     """SystemExit with a clear message if (host, port) cannot be bound, e.g. another server has it."""
     try:
@@ -192,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     launcher = Launcher(args)
     launcher.start_children()
     runtime = ServerRuntime(args, launcher, tokenizer, model_name_of(args))
-    server = uvicorn.Server(
+    server = _UvicornServer(
+        runtime,
         uvicorn.Config(
             create_app(runtime),
             host=args.host,
@@ -200,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             log_level=args.log_level,
             timeout_graceful_shutdown=3,
             access_log=args.log_level == "debug",
-        )
+        ),
     )
     runtime.uvicorn = server
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with the previous
