@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from labkit.io_struct import GenerateReqInput
+from labkit.server.body_limit import BodySizeLimitMiddleware
 from labkit.server.errors import APIError, install_error_handlers, server_unavailable
 from labkit.server.openai_api import Choice, OpenAIServing, finish_fields, sse, submit_or_raise, trace_http
 from labkit.server.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -28,18 +29,30 @@ class APIKeyMiddleware:
     time (station 1) and checks the API key on every path but /health."""
 
     def __init__(self, app, api_key: str | None):
-        self.app, self.expected = app, f"Bearer {api_key}".encode() if api_key else None
+        self.app, self.key = app, api_key.encode() if api_key else None
+
+    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Exactly one Authorization header (two would be ambiguous), `Bearer <key>` with the scheme
+        in any case (RFC 7235)."""
+        if self.key is None:
+            return True
+        given = [value for name, value in headers if name == b"authorization"]
+        if len(given) != 1:
+            return False
+        scheme, _, token = given[0].partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             scope.setdefault("state", {})["received"] = time.perf_counter()
-            if self.expected is not None and scope["path"] != "/health":
-                given = dict(scope["headers"]).get(b"authorization", b"")
-                if not hmac.compare_digest(given, self.expected):
-                    await APIError(
-                        401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key"
-                    ).response()(scope, receive, send)
-                    return
+            if scope["path"] != "/health" and not self.authorized(scope["headers"]):
+                await APIError(
+                    401,
+                    "invalid or missing API key (one header: Authorization: Bearer <key>)",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                ).response()(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
 
@@ -66,6 +79,7 @@ def create_app(runtime: AppRuntime) -> FastAPI:
     app = FastAPI(title="labkit", lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(APIKeyMiddleware, api_key=runtime.args.api_key)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=runtime.args.max_request_bytes)  # outermost
 
     def tm() -> TokenizerManager:
         if runtime.tm is None or not runtime.ready:
@@ -82,7 +96,7 @@ def create_app(runtime: AppRuntime) -> FastAPI:
             return Response(status_code=200)
         raise APIError(503, "the generation path did not answer", code="server_unavailable")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what many load balancers probe with
     async def health() -> Response:
         manager = tm()
         if time.perf_counter() - manager.last_finish_time < HEALTH_FRESH_S:
@@ -192,10 +206,9 @@ def create_app(runtime: AppRuntime) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(req: AbortRequest) -> JSONResponse:
-        """Abort a request by its rid, or every choice of an OpenAI response by the response id."""
-        manager = tm()
-        rids = [r for r in manager.rid_to_state if r == req.rid or r.startswith(req.rid + "-")]
-        return JSONResponse({"aborted": [r for r in rids if manager.abort_request(r)]})
+        """Abort a request by its rid, or every choice of an OpenAI response by the response id;
+        answers with the rids the scheduler aborted."""
+        return JSONResponse({"aborted": await tm().abort(req.rid)})
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

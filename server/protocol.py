@@ -1,26 +1,67 @@
 """OpenAI request bodies (pydantic, so FastAPI parses and type-checks them) and their mapping onto
-labkit's sampling parameters. Unknown fields are refused with a 400 rather than silently ignored."""
+labkit's sampling parameters. Unknown fields are refused with a 400 rather than silently ignored.
+
+Types are strict, as OpenAI's API is: "8" is not an integer, 1 is not a boolean (an integer is still a
+valid float). Integers must fit in 64 bits, and no string may hold a lone surrogate ("\\ud800" is
+valid JSON but not Unicode): neither could cross to the scheduler."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from labkit.sampling.sampling_params import MAX_TOP_LOGPROBS
+from labkit.sampling.sampling_params import INT64_MAX, INT64_MIN, MAX_TOP_LOGPROBS
+
+Int = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def _lone_surrogate_at(value: Any) -> tuple[str | int, ...] | None:
+    """The path to the first string (or key) in a parsed JSON value that is not valid Unicode."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return ()
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _lone_surrogate_at(key) is not None:
+            return (key.encode(errors="backslashreplace").decode(),)  # the error names it, so it must encode
+        path = _lone_surrogate_at(item)
+        if path is not None:
+            return (key, *path)
+    return None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Body(_Strict):
+    """A request body: checked for lone surrogates anywhere (keys too) before anything else."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        path = _lone_surrogate_at(data)
+        if path is not None:
+            error = PydanticCustomError("invalid_unicode", "the string holds a lone surrogate (not valid Unicode)")
+            raise ValidationError.from_exception_data(cls.__name__, [InitErrorDetails(type=error, loc=path, input="")])
+        return data
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class TextPart(BaseModel):
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Strict):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id ... pass through to the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart]
@@ -30,29 +71,28 @@ class ChatMessage(BaseModel):
         return {**(self.model_extra or {}), "role": self.role, "content": content}
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(_Body):
     """Fields shared by both endpoints: OpenAI's, then labkit's extras (SGLang names)."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=16)
+    n: StrictInt = Field(default=1, ge=1, le=16)  # not Int: its bounds would override these
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int | None = None
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # labkit extras
-    top_k: int = -1
+    top_k: Int = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     skip_special_tokens: bool = True
 
     def sampling_params(self, max_new_tokens: int, index: int) -> dict[str, Any]:
@@ -81,9 +121,9 @@ class _SamplingRequest(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def sampling_params(self, max_new_tokens: int, index: int) -> dict[str, Any]:
         return {
@@ -94,8 +134,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    logprobs: Int | None = Field(default=None, ge=0, le=5)
     echo: Literal[False] = False
 
     def prompts(self) -> list[dict[str, Any]]:
@@ -119,17 +159,15 @@ class CompletionRequest(_SamplingRequest):
         }
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(_Body):
     """labkit's native /generate (SGLang's shape)."""
 
-    model_config = ConfigDict(extra="forbid")
     text: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[Int] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     rid: str | None = None
 
 
-class AbortRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AbortRequest(_Body):
     rid: str

@@ -36,6 +36,9 @@ class ServerArgs:
     api_key: str | None = field(
         default=None, metadata={"help": "require 'Authorization: Bearer KEY' on every endpoint but /health"}
     )
+    max_request_bytes: int = field(
+        default=16 * 1024 * 1024, metadata={"help": "largest request body accepted; larger ones get 413"}
+    )
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     enable_metrics: bool = field(default=False, metadata={"help": "serve Prometheus metrics at /metrics"})
     trace_file: str | None = field(
@@ -61,6 +64,8 @@ class ServerArgs:
     def check(self) -> None:
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise SystemExit(f"--log-level must be debug, info, warning or error, got {self.log_level!r}")
+        if self.max_request_bytes < 1:
+            raise SystemExit("--max-request-bytes must be >= 1")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise SystemExit("--max-queued-requests must be >= 0")
 

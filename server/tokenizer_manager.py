@@ -8,6 +8,7 @@ goes away first (client disconnect, cancellation)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -37,6 +38,7 @@ from labkit.trace.recorder import Tracer
 
 logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
+ABORT_CONFIRM_S = 5.0  # how long `abort` waits for the scheduler's answer (one step, normally)
 
 
 class QueueFullError(Exception):
@@ -57,6 +59,10 @@ class ReqState:
     finished: bool = False
     error: str | None = None
     last_token_time: float | None = None
+    group: str | None = None  # the OpenAI response id whose choice this is
+    probe: bool = False  # a health probe: not counted against the queue cap
+    finish_reason: dict[str, Any] | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)  # set once it finished (or serving stopped)
 
 
 class TokenizerManager:
@@ -73,30 +79,35 @@ class TokenizerManager:
         self.dead: str | None = None  # why serving stopped, once a child died
         self.last_finish_time = float("-inf")  # perf_counter of the last request that finished normally
         self._control: dict[str, asyncio.Future] = {}
+        self._probe: asyncio.Future[bool] | None = None  # the health probe in flight, shared by its callers
         self._send = push_socket(zmq.Context.instance(), ports.scheduler_ipc)
         self._recv = pull_socket(zmq.asyncio.Context.instance(), ports.tokenizer_ipc)
         self._decoder = msgspec.msgpack.Decoder(ToTokenizer)
 
     # ---- requests -----------------------------------------------------------------------------
-    def submit(self, reqs: list[GenerateReqInput], check_queue: bool = True) -> list[ReqState]:
-        """Tokenize, validate and send; all or none. Raises ValueError (bad input, a 400),
+    def submit(self, reqs: list[GenerateReqInput], group: str | None = None, probe: bool = False) -> list[ReqState]:
+        """Tokenize, validate and send; all or none. `group`: the OpenAI response id of these
+        choices; `probe`: health probes, outside the queue cap. Raises ValueError (bad input, a 400),
         QueueFullError (503) or ServerDeadError (503)."""
         if self.dead:
             raise ServerDeadError(self.dead)
-        if check_queue and self.max_in_flight is not None and len(self.rid_to_state) + len(reqs) > self.max_in_flight:
-            raise QueueFullError(f"{len(self.rid_to_state)} requests in flight; the limit is {self.max_in_flight}")
+        if not probe and self.max_in_flight is not None:
+            in_flight = sum(not s.probe for s in self.rid_to_state.values())
+            if in_flight + len(reqs) > self.max_in_flight:
+                raise QueueFullError(f"{in_flight} requests in flight; the limit is {self.max_in_flight}")
         tokenized = []
         for req in reqs:
             rid = req.rid or uuid.uuid4().hex
             if rid in self.rid_to_state:
                 raise ValueError(f"request id {rid!r} is already in use")
-            tokenized.append(tokenize_request(self.tokenizer, req, rid, self.limits, self.tracer))
+            tok = tokenize_request(self.tokenizer, req, rid, self.limits, self.tracer)
+            tokenized.append((tok, ENCODER.encode(tok)))  # encoded before any is sent: all or none
         states = []
-        for tok in tokenized:
-            msg = ENCODER.encode(tok)
+        for tok, msg in tokenized:
             self._send.send(msg)
             now = time.perf_counter()
-            state = self.rid_to_state[tok.rid] = ReqState(tok.rid, len(tok.input_ids), created=tok.received_time)
+            state = ReqState(tok.rid, len(tok.input_ids), created=tok.received_time, group=group, probe=probe)
+            self.rid_to_state[tok.rid] = state
             states.append(state)
             if self.tracer is not None:
                 self.tracer.station(tok.rid, Station.ZMQ_SEND, tok.created_time, now, message_bytes=len(msg))
@@ -144,8 +155,24 @@ class TokenizerManager:
         self._send.send(ENCODER.encode(AbortReq(rid=rid)))
         return True
 
+    async def abort(self, rid: str, timeout: float = ABORT_CONFIRM_S) -> list[str]:
+        """Abort the request `rid`, or every choice of the OpenAI response `rid`. Returns the rids the
+        scheduler aborted (within `timeout`): not those that finished first."""
+        states = [s for r, s in self.rid_to_state.items() if r == rid or s.group == rid]
+        for state in states:
+            self.abort_request(state.rid)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(s.done.wait() for s in states)), timeout)
+        return [s.rid for s in states if s.finish_reason is not None and s.finish_reason["type"] == "abort"]
+
     async def generate_one_token(self, timeout: float) -> bool:
-        """The health probe: one greedy token through all three processes."""
+        """The health probe: one greedy token through all three processes. Concurrent callers share
+        the probe in flight, so a burst of probes costs one generation."""
+        if self._probe is None:
+            self._probe = asyncio.ensure_future(self._generate_one_token(timeout))
+        return await asyncio.shield(self._probe)  # a caller that leaves does not cancel the others' probe
+
+    async def _generate_one_token(self, timeout: float) -> bool:
         try:
             [state] = self.submit(
                 [
@@ -155,7 +182,7 @@ class TokenizerManager:
                         rid=f"health-{uuid.uuid4().hex}",
                     )
                 ],
-                check_queue=False,
+                probe=True,
             )
 
             async def collect() -> list[ReqOutput]:
@@ -164,6 +191,8 @@ class TokenizerManager:
             outs = await asyncio.wait_for(collect(), timeout)  # on timeout the request is aborted
         except (ServerDeadError, asyncio.TimeoutError, ValueError):
             return False
+        finally:
+            self._probe = None  # the next caller starts a new probe
         return bool(outs) and outs[-1].finish_reason is not None and outs[-1].finish_reason["type"] != "abort"
 
     # ---- control --------------------------------------------------------------------------------
@@ -209,7 +238,8 @@ class TokenizerManager:
                 state.last_token_time = now
                 m.inc("generation_tokens_total", len(out.token_ids))
             if out.finish_reason is not None:
-                state.finished = True
+                state.finished, state.finish_reason = True, out.finish_reason
+                state.done.set()
                 del self.rid_to_state[out.rid]
                 m.e2e.observe(now - state.created)
                 m.inc("prompt_tokens_total", state.prompt_tokens)
@@ -232,6 +262,7 @@ class TokenizerManager:
         for state in list(self.rid_to_state.values()):
             state.error = reason
             state.event.set()
+            state.done.set()
         self.rid_to_state.clear()
         for future in self._control.values():
             if not future.done():

@@ -1,4 +1,7 @@
+import dataclasses
+
 import pytest
+import torch
 
 from labkit.sampling import SamplingParams
 
@@ -99,3 +102,60 @@ def test_from_dict_rejects_unknown_and_non_dict():
         SamplingParams.from_dict({"max_tokens": 3})
     with pytest.raises(ValueError, match="dict"):
         SamplingParams.from_dict([("temperature", 1.0)])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"repetition_penalty": 1e308}, "repetition_penalty"),
+        ({"repetition_penalty": 2.5}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"max_new_tokens": 2**64}, "max_new_tokens"),
+        ({"top_k": 10**30}, "top_k"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"stop_token_ids": [2**64]}, "stop_token_ids"),
+        ({"temperature": 10**400}, "temperature"),
+    ],
+)
+def test_verify_rejects_extremes(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs).verify(VOCAB)
+
+
+def test_verify_accepts_64_bit_edges():
+    SamplingParams(seed=2**64 - 1, top_k=2**63 - 1, max_new_tokens=2**63 - 1, repetition_penalty=2.0).verify(VOCAB)
+    SamplingParams(seed=-(2**63), repetition_penalty=1e-6).verify(VOCAB)
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": 1e-300}, {"temperature": 1e-7}, {"top_p": 1e-300}])
+def test_temperature_or_top_p_below_eps_normalizes_to_greedy(kwargs):
+    p = SamplingParams(**kwargs)
+    p.verify(VOCAB)
+    assert p.normalize().is_greedy
+
+
+def test_small_but_usable_temperature_stays_sampled():
+    assert not SamplingParams(temperature=1e-3, top_p=1e-3).normalize().is_greedy
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": 1e-300}, {"top_p": 1e-300}, {"top_p": 1e-300, "seed": 7}])
+def test_underflowing_temperature_or_top_p_samples_the_argmax(kwargs):
+    from labkit.sampling import Sampler, SamplingBatchInfo
+
+    @dataclasses.dataclass
+    class Req:
+        sampling_params: SamplingParams
+        origin_input_ids: list = dataclasses.field(default_factory=lambda: [1])
+        output_ids: list = dataclasses.field(default_factory=list)
+
+    reqs = [Req(SamplingParams(**kwargs)) for _ in range(8)]
+    for r in reqs:
+        r.sampling_params.verify(VOCAB)
+        r.sampling_params.normalize()
+    # One ordinary sampled row in the batch, so the batch is not all greedy.
+    reqs.append(Req(SamplingParams(temperature=0.7).normalize()))
+    info = SamplingBatchInfo.from_requests(reqs, VOCAB, "cpu", eos_token_ids=set())
+    logits = torch.randn(len(reqs), VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    out = Sampler(seed=0)(logits, info).next_token_ids
+    assert out[:-1].tolist() == logits[:-1].argmax(dim=-1).tolist()

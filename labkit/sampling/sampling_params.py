@@ -9,22 +9,36 @@ from typing import Any
 
 # OpenAI caps top_logprobs at 20; more would also make the per-step top-k costly.
 MAX_TOP_LOGPROBS = 20
+# Integers must fit in 64 bits, signed or not: what msgpack carries to the scheduler. The server's
+# protocol takes signed 64-bit integers (OpenAI's), so that seed + choice index still fits.
+INT64_MIN, INT64_MAX, UINT64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
+# Below this, temperature and top_p mean "only the most likely token": dividing float32 logits by a
+# smaller temperature overflows them, and a top_p that rounds to 0 in float32 drops every token.
+SAMPLING_EPS = 1e-6
+# SGLang's upper bound; below SAMPLING_EPS the penalty's division would overflow float32 logits.
+MAX_REPETITION_PENALTY = 2.0
 
 
 def _is_int(x: object) -> bool:
     # bool is a subclass of int, but `top_k=True` is a caller mistake, not a number.
-    return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, int) and not isinstance(x, bool) and INT64_MIN <= x <= UINT64_MAX
 
 
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _short(x: object) -> str:
+    """repr for an error message; a huge int's digits help nobody (and past 4300 repr raises)."""
+    return f"an int of {x.bit_length()} bits" if isinstance(x, int) and x.bit_length() > 64 else repr(x)[:60]
+
+
+def _is_finite_number(x: object) -> bool:
+    return _is_int(x) or isinstance(x, float) and math.isfinite(x)
 
 
 @dataclass
 class SamplingParams:
     """How one request is decoded.
 
-    ``temperature == 0`` or ``top_k == 1`` means greedy. ``top_k == -1`` disables top-k.
+    ``temperature == 0`` or ``top_k == 1`` means greedy (so do a temperature or top_p below
+    ``SAMPLING_EPS``, once normalized). ``top_k == -1`` disables top-k.
     :meth:`verify` then :meth:`normalize` run before the request enters the scheduler
     (``RequestLimits.check``).
     """
@@ -77,9 +91,12 @@ class SamplingParams:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def normalize(self) -> SamplingParams:
-        """Canonicalize in place: ``stop`` becomes a list, ``stop_token_ids`` a list. Returns self."""
+        """Canonicalize in place: ``stop`` becomes a list, ``stop_token_ids`` a list, and a temperature
+        or top_p too small to compute with becomes greedy decoding, its limit. Returns self."""
         self.stop = self.stop_strs
         self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids is not None else []
+        if self.temperature < SAMPLING_EPS or self.top_p < SAMPLING_EPS:
+            self.temperature = 0.0
         return self
 
     def verify(self, vocab_size: int) -> None:
@@ -103,8 +120,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not -2 <= v <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {v}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not SAMPLING_EPS <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bounds = f"[{SAMPLING_EPS}, {MAX_REPETITION_PENALTY}]"
+            raise ValueError(f"repetition_penalty must be in {bounds}, got {self.repetition_penalty}")
         for s in self.stop_strs:
             if s == "":
                 raise ValueError("stop strings must be non-empty")
@@ -117,7 +135,7 @@ class SamplingParams:
     def _verify_types(self) -> None:
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "top_logprobs_num"):
             if not _is_int(getattr(self, name)):
-                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be a 64-bit int, got {_short(getattr(self, name))}")
         for name in (
             "temperature",
             "top_p",
@@ -127,13 +145,13 @@ class SamplingParams:
             "repetition_penalty",
         ):
             v = getattr(self, name)
-            if not _is_number(v) or not math.isfinite(v):
-                raise ValueError(f"{name} must be a finite number, got {v!r}")
+            if not _is_finite_number(v):
+                raise ValueError(f"{name} must be a finite number, got {_short(v)}")
         for name in ("ignore_eos", "return_logprob", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+            raise ValueError(f"seed must be a 64-bit int or None, got {_short(self.seed)}")
         if self.stop is not None:
             items = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
@@ -141,4 +159,4 @@ class SamplingParams:
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids
             if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
-                raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+                raise ValueError(f"stop_token_ids must be a list of 64-bit ints, got {_short(ids)}")
