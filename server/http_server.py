@@ -139,7 +139,7 @@ def create_app(runtime: AppRuntime) -> FastAPI:
         raw.state.handler_entered = time.perf_counter()
         manager = tm()
         parsed = time.perf_counter()
-        [state] = submit_or_raise(
+        [state] = await submit_or_raise(
             manager,
             [
                 GenerateReqInput(

@@ -84,7 +84,7 @@ class OpenAIServing:
                 )
                 where.append(p_idx)
         parsed = time.perf_counter()
-        states = submit_or_raise(self.tm, gen_reqs, group=resp_id)
+        states = await submit_or_raise(self.tm, gen_reqs, group=resp_id)
         trace_http(self.tm, raw, [s.rid for s in states], parsed)
         choices = [Choice(i, p, s) for i, (p, s) in enumerate(zip(where, states))]
         fmt = _Formatter(self, resp_id, chat, req)
@@ -261,10 +261,12 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def submit_or_raise(tm: TokenizerManager, reqs: list[GenerateReqInput], group: str | None = None) -> list[ReqState]:
+async def submit_or_raise(
+    tm: TokenizerManager, reqs: list[GenerateReqInput], group: str | None = None
+) -> list[ReqState]:
     """TokenizerManager.submit with its failures as API errors."""
     try:
-        return tm.submit(reqs, group)
+        return await tm.submit(reqs, group)
     except ValueError as e:
         code = "context_length_exceeded" if "context length" in str(e) else "invalid_value"
         raise APIError(400, str(e), code=code) from None

@@ -27,12 +27,13 @@ from labkit.io_struct import (
     ControlReq,
     GenerateReqInput,
     ReqOutput,
+    TokenizedGenerateReqInput,
     ToTokenizer,
 )
 from labkit.scheduler.limits import RequestLimits
 from labkit.server.ipc import ENCODER, PortArgs, pull_socket, push_socket
 from labkit.server.metrics import ServerMetrics
-from labkit.tokenizer.prompt import tokenize_request
+from labkit.tokenizer.prompt import max_chars_per_token, tokenize_request
 from labkit.trace.events import Station
 from labkit.trace.recorder import Tracer
 
@@ -71,6 +72,8 @@ class TokenizerManager:
     ):
         self.tokenizer = tokenizer
         self.limits = RequestLimits(**info["limits"])
+        # Longer text prompts cannot fit the context whatever their tokens: refused before tokenizing.
+        self.max_prompt_chars = None if tokenizer is None else self.limits.context_len * max_chars_per_token(tokenizer)
         self.info = info
         self.max_in_flight = max_in_flight
         self.tracer = tracer
@@ -85,25 +88,23 @@ class TokenizerManager:
         self._decoder = msgspec.msgpack.Decoder(ToTokenizer)
 
     # ---- requests -----------------------------------------------------------------------------
-    def submit(self, reqs: list[GenerateReqInput], group: str | None = None, probe: bool = False) -> list[ReqState]:
+    async def submit(
+        self, reqs: list[GenerateReqInput], group: str | None = None, probe: bool = False
+    ) -> list[ReqState]:
         """Tokenize, validate and send; all or none. `group`: the OpenAI response id of these
         choices; `probe`: health probes, outside the queue cap. Raises ValueError (bad input, a 400),
         QueueFullError (503) or ServerDeadError (503)."""
-        if self.dead:
-            raise ServerDeadError(self.dead)
-        if not probe and self.max_in_flight is not None:
-            in_flight = sum(not s.probe for s in self.rid_to_state.values())
-            if in_flight + len(reqs) > self.max_in_flight:
-                raise QueueFullError(f"{in_flight} requests in flight; the limit is {self.max_in_flight}")
-        tokenized = []
-        for req in reqs:
-            rid = req.rid or uuid.uuid4().hex
+        self._check_capacity(len(reqs), probe)
+        rids = [req.rid or uuid.uuid4().hex for req in reqs]
+        # Tokenizing costs CPU time in proportion to the prompt: a worker thread does it (the fast
+        # tokenizers release the GIL), so the event loop keeps serving other requests meanwhile.
+        encoded = await asyncio.to_thread(self._encode_all, reqs, rids)
+        self._check_capacity(len(reqs), probe)  # things may have changed while tokenizing
+        for rid in rids:
             if rid in self.rid_to_state:
                 raise ValueError(f"request id {rid!r} is already in use")
-            tok = tokenize_request(self.tokenizer, req, rid, self.limits, self.tracer)
-            tokenized.append((tok, ENCODER.encode(tok)))  # encoded before any is sent: all or none
         states = []
-        for tok, msg in tokenized:
+        for tok, msg in encoded:
             self._send.send(msg)
             now = time.perf_counter()
             state = ReqState(tok.rid, len(tok.input_ids), created=tok.received_time, group=group, probe=probe)
@@ -112,6 +113,24 @@ class TokenizerManager:
             if self.tracer is not None:
                 self.tracer.station(tok.rid, Station.ZMQ_SEND, tok.created_time, now, message_bytes=len(msg))
         return states
+
+    def _check_capacity(self, n: int, probe: bool) -> None:
+        if self.dead:
+            raise ServerDeadError(self.dead)
+        if not probe and self.max_in_flight is not None:
+            in_flight = sum(not s.probe for s in self.rid_to_state.values())
+            if in_flight + n > self.max_in_flight:
+                raise QueueFullError(f"{in_flight} requests in flight; the limit is {self.max_in_flight}")
+
+    def _encode_all(
+        self, reqs: list[GenerateReqInput], rids: list[str]
+    ) -> list[tuple[TokenizedGenerateReqInput, bytes]]:
+        """Every request tokenized, checked and msgspec-encoded before any is sent: all or none."""
+        encoded = []
+        for req, rid in zip(reqs, rids):
+            tok = tokenize_request(self.tokenizer, req, rid, self.limits, self.tracer, self.max_prompt_chars)
+            encoded.append((tok, ENCODER.encode(tok)))
+        return encoded
 
     async def stream(
         self, state: ReqState, is_disconnected: Callable[[], Awaitable[bool]] | None = None
@@ -174,7 +193,7 @@ class TokenizerManager:
 
     async def _generate_one_token(self, timeout: float) -> bool:
         try:
-            [state] = self.submit(
+            [state] = await self.submit(
                 [
                     GenerateReqInput(
                         input_ids=[0],

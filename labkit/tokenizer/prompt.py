@@ -57,17 +57,37 @@ def encode_prompt(
     return text, tokenizer(text)["input_ids"]
 
 
+def max_chars_per_token(tokenizer: Any) -> int:
+    """An upper bound on the characters one token stands for: its vocabulary string is at least as
+    long (byte-level BPE spells each byte as one character, SentencePiece each character as one)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
+def _prompt_chars(req: GenerateReqInput) -> int:
+    """Characters of a text prompt, or of a chat's message contents (the template only adds)."""
+    if isinstance(req.text, str):
+        return len(req.text)
+    if isinstance(req.messages, list):
+        return sum(len(m["content"]) for m in req.messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+    return 0
+
+
 def tokenize_request(
     tokenizer: Any,
     req: GenerateReqInput,
     rid: str,
     limits: RequestLimits | None = None,
     tracer: Tracer | None = None,
+    max_prompt_chars: int | None = None,
 ) -> TokenizedGenerateReqInput:
     """Encode `req`'s prompt and, with `limits`, check it and its sampling parameters against what
-    the scheduler accepts (so that bad input is refused before it travels). Records the TOKENIZE
-    station. Raises ValueError for bad input."""
+    the scheduler accepts (so that bad input is refused before it travels). A prompt of more than
+    `max_prompt_chars` characters cannot fit the context whatever its tokens: it is refused before
+    tokenizing. Records the TOKENIZE station. Raises ValueError for bad input."""
     start = time.perf_counter()
+    if max_prompt_chars is not None and (chars := _prompt_chars(req)) > max_prompt_chars:
+        context = f"; this model's context length is {limits.context_len} tokens" if limits is not None else ""
+        raise ValueError(f"the prompt has {chars} characters, more than its tokens could fit{context}")
     text, ids = encode_prompt(tokenizer, req.text, req.input_ids, req.messages)
     if limits is not None:
         limits.check(ids, req.sampling_params)
