@@ -39,7 +39,11 @@ def _socket_dirs(server: ServerProcess) -> list[str]:
 
 def test_a_killed_detokenizer_fails_requests_in_flight_and_takes_the_server_down():
     server = start_server("--log-level", "warning")
-    body = {"text": "Tell me a long story.", "stream": True, "sampling_params": {"max_new_tokens": 2000}}
+    body = {
+        "text": "Tell me a long story.",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+    }
     with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as response:
         events = (line for line in response.iter_lines() if line.startswith("data: "))
         assert next(events)
