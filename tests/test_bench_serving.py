@@ -84,7 +84,7 @@ def test_metrics_match_hand_computed_values():
     m = serving.compute_metrics(outs, duration=2.0)
     assert (m.completed, m.failed, m.total_input_tokens, m.total_output_tokens) == (2, 1, 30, 6)
     assert (m.request_throughput, m.input_throughput, m.output_throughput, m.total_throughput) == (1, 15, 3, 18)
-    approx = lambda s: pytest.approx((s.mean, s.median, s.p99))  # noqa: E731
+    approx = lambda s: pytest.approx((s.mean, s.median, s.p99))  # noqa: E731 (a local shorthand)
     assert approx(m.ttft_ms) == (150, 150, 100 + 0.99 * 100)
     assert approx(m.tpot_ms) == (75, 75, 75)  # (0.4 - 0.1) / 4; the 1-token request is left out
     assert approx(m.itl_ms) == (75, 75, 100)

@@ -160,7 +160,7 @@ def test_min_new_tokens_blocks_eos_and_stop_ids():
     logits[:, 0] = 100.0  # EOS
     logits[:, 11] = 90.0  # a stop token id
     logits[:, 12] = 80.0
-    mk = lambda **kw: SamplingParams(temperature=0, min_new_tokens=2, stop_token_ids=[11], **kw)  # noqa: E731
+    mk = lambda **kw: SamplingParams(temperature=0, min_new_tokens=2, stop_token_ids=[11], **kw)  # noqa: E731 (shorthand)
     reqs = [
         FakeReq(mk(), [1], []),  # too short: EOS and stop id banned
         FakeReq(mk(), [1], [5, 6]),  # long enough: EOS allowed
@@ -196,7 +196,7 @@ def test_sampling_frequencies_follow_softmax(temperature):
 
 def test_seeded_request_independent_of_batch():
     logits_row = rand_logits(1, seed=3)[0]
-    target = lambda: FakeReq(SamplingParams(seed=1234, temperature=1.5), [1, 2], [4] * 7)  # noqa: E731
+    target = lambda: FakeReq(SamplingParams(seed=1234, temperature=1.5), [1, 2], [4] * 7)  # noqa: E731 (shorthand)
 
     alone = Sampler()(logits_row.unsqueeze(0), make_info([], [target()])).next_token_ids[0]
 

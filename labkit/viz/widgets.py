@@ -36,7 +36,7 @@ def widget_frontend() -> bool:
     if os.environ.get("LABKIT_VIZ_STATIC", "") not in ("", "0"):
         return False
     try:
-        import ipywidgets  # noqa: F401
+        import ipywidgets  # noqa: F401 (only whether it is installed matters here)
         from IPython import get_ipython
     except ImportError:
         return False
@@ -99,7 +99,7 @@ def _fmt_tokens(tokenizer, ids, limit: int = 24) -> str:
 def describe_event(e: StationEvent, tokenizer=None) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """(inputs, outputs) of one station visit, as (name, value) pairs for people."""
     d = e.detail
-    tt = lambda ids: _fmt_tokens(tokenizer, ids)  # noqa: E731
+    tt = lambda ids: _fmt_tokens(tokenizer, ids)  # noqa: E731 (a one-line local shorthand)
     if e.station == Station.TOKENIZE:
         ids = d.get("input_ids", [])
         n = next((int(str(x).split("<")[1].split()[0]) for x in ids if isinstance(x, str)), len(ids))
