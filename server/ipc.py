@@ -91,8 +91,10 @@ def parent_alive(parent_pid: int) -> bool:
 def init_child(name: str, log_level: str) -> None:
     """Common start of a child process. Ctrl-C reaches the whole process group; the children ignore
     it and let the main process shut them down in order."""
+    import faulthandler
     import logging
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints where it is
     logging.basicConfig(level=log_level.upper(), format=f"[%(asctime)s {name}] %(levelname)s %(message)s")

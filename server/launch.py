@@ -10,6 +10,7 @@ that dies makes every in-flight request fail, /health answer 503, and the server
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
@@ -36,6 +37,7 @@ logger = logging.getLogger("labkit.server")
 WATCH_INTERVAL_S = 0.5
 DEATH_GRACE_S = 2.0  # keep answering 503 this long after a child died, then exit
 CHILD_START_TIMEOUT_S = 600.0
+WARM_UP_TIMEOUT_S = 60.0
 
 
 class Launcher:
@@ -70,7 +72,11 @@ class Launcher:
                 if name in infos:
                     continue
                 if conn.poll(0.2):
-                    msg = conn.recv()
+                    try:
+                        msg = conn.recv()
+                    except EOFError:  # it died before reporting
+                        self.procs[name].join(timeout=5)
+                        msg = {"error": f"it exited (exit code {self.procs[name].exitcode})"}
                     if "error" in msg:
                         raise RuntimeError(f"the {name} process failed to start: {msg['error']}")
                     infos[name] = msg["info"]
@@ -115,13 +121,17 @@ class ServerRuntime:
             infos = await asyncio.to_thread(self.launcher.wait_ready)
             self.tm = make_tokenizer_manager(self.args, self.tokenizer, self.launcher.ports, infos["scheduler"])
             loop_task = asyncio.create_task(self.tm.handle_loop())
-            while not await self.tm.generate_one_token(timeout=60.0):  # warm-up, proves the path
-                if self.launcher.dead_child():
+            while not await self.tm.generate_one_token(timeout=WARM_UP_TIMEOUT_S):  # warm-up, proves the path
+                if self._failure(loop_task):
                     break
+                logger.warning("the warm-up generation did not finish in %.0f s; trying again", WARM_UP_TIMEOUT_S)
         except RuntimeError as e:
             logger.error("%s", e)
             return self._exit(1)
-        self.ready = self.launcher.dead_child() is None
+        except Exception:  # a bug: say so and exit, rather than stay "starting" with a dead task
+            logger.exception("start-up failed")
+            return self._exit(1)
+        self.ready = self._failure(loop_task) is None
         if self.ready:
             info = infos["scheduler"]
             print(
@@ -131,17 +141,21 @@ class ServerRuntime:
             )
         await self._watch(loop_task)
 
+    def _failure(self, loop_task: asyncio.Task) -> str | None:
+        """Why the server cannot serve (a child died, the receive loop stopped), or None."""
+        reason = self.launcher.dead_child()
+        if reason is None and loop_task.done():
+            reason = f"the receive loop stopped: {loop_task.exception()!r}"
+        return reason
+
     async def _watch(self, loop_task: asyncio.Task) -> None:
-        while True:
-            reason = self.launcher.dead_child()
-            if reason is None and loop_task.done():
-                reason = f"the receive loop stopped: {loop_task.exception()!r}"
-            if reason is not None:
-                logger.error("%s; failing in-flight requests and shutting down", reason)
-                self.tm.fail_all(reason)
-                await asyncio.sleep(DEATH_GRACE_S)
-                return self._exit(1)
+        """Until shutdown: once the server cannot serve, fail what is in flight and exit non-zero."""
+        while (reason := self._failure(loop_task)) is None:
             await asyncio.sleep(WATCH_INTERVAL_S)
+        logger.error("%s; failing in-flight requests and shutting down", reason)
+        self.tm.fail_all(reason)
+        await asyncio.sleep(DEATH_GRACE_S)
+        self._exit(1)
 
     def _exit(self, code: int) -> None:
         self.exit_code = code
@@ -198,6 +212,7 @@ def _exit_cleanly(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = ServerArgs.from_cli(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints where it is
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s main] %(levelname)s %(message)s")
     check_port_free(args.host, args.port)  # before the model loads, which takes a while
     for path in remove_stale_ipc_dirs():

@@ -84,6 +84,14 @@ class ServerProcess:
         )
         return [int(p) for p in out.stdout.split()]
 
+    def dump_stacks(self) -> None:
+        """Have the server and its children print every thread's stack (they register SIGUSR1 with
+        faulthandler), so a server that hangs says where."""
+        for pid in [self.proc.pid, *self.child_pids()]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(2.0)
+
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
         """SIGTERM, wait for the exit and for the children to go; returns the exit code (again on a
         second call). Raises RuntimeError if the server did not stop within `timeout` or a child
@@ -118,6 +126,8 @@ def start_server(*args: str, api_key: str | None = None, timeout: float = START_
     deadline = time.monotonic() + timeout
     while not server.ready.wait(0.5):
         if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:  # it hangs
+                server.dump_stacks()
             proc.kill()
             proc.wait()
             server._reader.join(timeout=5)

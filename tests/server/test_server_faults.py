@@ -18,7 +18,7 @@ import pytest
 from server_process import MODEL, wait_idle
 
 from labkit.server.ipc import IPC_DIR_PREFIX
-from labkit.server.process import ServerProcess, start_server
+from labkit.server.process import ServerProcess, spawn_server, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -77,3 +77,18 @@ def test_a_stopped_and_resumed_scheduler_loses_nothing():
         assert server.stop() == 0
     assert _socket_dirs(server) == []
     assert subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True).stdout == b""
+
+
+def test_children_killed_during_start_up_make_the_server_exit_with_a_clear_error():
+    proc, port = spawn_server("--log-level", "warning")
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + 120
+    while len(server.child_pids()) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # the children exist, loading the model: not reported in yet
+    for pid in server.child_pids():
+        os.kill(pid, signal.SIGKILL)
+    assert proc.wait(timeout=60) != 0  # not a server stuck "starting"
+    server.stop()
+    printed = "".join(server.output)
+    assert "process failed to start" in printed or "exited during start-up" in printed, printed
+    assert _socket_dirs(server) == []
