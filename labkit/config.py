@@ -83,7 +83,39 @@ class EngineConfig:
         default=False,
         metadata={"help": "overlap scheduling on CPU too: no speed-up there; tokens arrive one step later"},
     )
+    # Parallelism
+    tp_size: int = field(
+        default=1, metadata={"help": "tensor parallelism: ranks sharing each layer (gloo on CPU, NCCL on CUDA)"}
+    )
+    nnodes: int = field(default=1, metadata={"help": "machines the tp_size ranks are spread over"})
+    node_rank: int = field(default=0, metadata={"help": "this machine's index among --nnodes (0 serves HTTP)"})
+    dist_init_addr: str | None = field(
+        default=None,
+        metadata={
+            "help": "host:port where rank 0 meets the other ranks (torch.distributed); default: a free local port"
+        },
+    )
+    dist_timeout: float = field(
+        default=120.0, metadata={"help": "seconds the ranks wait for each other at start before giving up"}
+    )
     # Observability
     enable_trace: bool = field(
         default=False, metadata={"help": "record station, step and tree events in a Tracer (labkit.trace)"}
     )
+
+
+def ranks_per_node(config: EngineConfig) -> int:
+    """Tensor-parallel ranks on each machine (checked by check_parallel)."""
+    return config.tp_size // config.nnodes
+
+
+def check_parallel(config: EngineConfig) -> None:
+    """ValueError for a parallel layout that cannot work (the model's own limits are checked as it loads)."""
+    if config.tp_size < 1 or config.nnodes < 1:
+        raise ValueError(f"tp_size and nnodes must be >= 1, got {config.tp_size} and {config.nnodes}")
+    if config.tp_size % config.nnodes:
+        raise ValueError(f"tp_size {config.tp_size} does not split evenly over {config.nnodes} nodes")
+    if not 0 <= config.node_rank < config.nnodes:
+        raise ValueError(f"node_rank must be in [0, {config.nnodes}), got {config.node_rank}")
+    if config.nnodes > 1 and not config.dist_init_addr:
+        raise ValueError("more than one node needs dist_init_addr (host:port of node 0)")

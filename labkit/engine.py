@@ -8,9 +8,13 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from labkit.config import EngineConfig
+from labkit.config import EngineConfig, check_parallel
+from labkit.distributed.parallel_state import TPGroup, destroy_tp_group, init_tp_group
+from labkit.distributed.tp_worker import TPFollowers, check_tp_shapes, free_local_addr
 from labkit.io_struct import GenerateReqInput
 from labkit.model_executor.forward_batch import ForwardMode
+from labkit.model_executor.model_runner import resolve_device
+from labkit.model_loader.loader import load_config
 from labkit.sampling.sampling_params import SamplingParams
 from labkit.scheduler.schedule_batch import Req
 from labkit.scheduler.scheduler import Scheduler, StepOutput
@@ -56,7 +60,8 @@ class Engine:
             raise ValueError(f"unknown engine option(s): {sorted(unknown)}")
         self.config = dataclasses.replace(config, **overrides)
         self.tracer = Tracer() if self.config.enable_trace else None
-        self.scheduler = Scheduler.from_config(self.config, self.tracer)
+        self._followers: TPFollowers | None = None
+        self.scheduler = Scheduler.from_config(self.config, self.tracer, self._start_tensor_parallel())
         self.tokenizer = self.scheduler.tokenizer
         self.model_runner = self.scheduler.model_runner
         self.detokenizer = DetokenizerManager(self.tokenizer, self.tracer)
@@ -64,6 +69,41 @@ class Engine:
         self.results: dict[str, dict[str, Any]] = {}  # finished requests of step-wise use, by rid
         self._rid_counter = itertools.count()
         self._last_pieces: dict[str, str] = {}  # rid -> text piece the last step produced
+
+    def _start_tensor_parallel(self) -> TPGroup | None:
+        """With tp_size > 1: start the follower ranks and join their group as rank 0."""
+        config = self.config
+        check_parallel(config)
+        if config.tp_size == 1:
+            return None
+        if config.nnodes > 1:
+            raise ValueError("an Engine runs on one machine; several nodes need the server (python -m labkit.server)")
+        check_tp_shapes(load_config(config.model_path), config.tp_size)
+        addr = config.dist_init_addr or free_local_addr()
+        self._followers = TPFollowers.start(config, addr)
+        try:
+            return init_tp_group(
+                0, config.tp_size, addr, resolve_device(config.device), config.dist_timeout, self._followers.dead
+            )
+        except RuntimeError:
+            self._followers.join(timeout=0)
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel followers and leave their group (nothing to do with tp_size 1).
+        The Engine cannot step afterwards."""
+        if self._followers is None:
+            return
+        self.scheduler.broadcast_inputs(stop=True)
+        self._followers.join()
+        destroy_tp_group(self.scheduler.tp)
+        self._followers = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     # ---- the live components, for inspection ----------------------------------------------
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,7 +12,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from labkit.attention import AttentionBackendConfig, get_attention_backend, resolve_attention_backend
-from labkit.config import EngineConfig
+from labkit.config import EngineConfig, ranks_per_node
+from labkit.distributed.parallel_state import TPGroup
+from labkit.layers.attention import Attention
+from labkit.layers.linear import LinearBase
 from labkit.mem_cache.allocator import TokenToKVPoolAllocator
 from labkit.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from labkit.model_executor.cuda_graph_runner import CudaGraphRunner
@@ -26,10 +30,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device of a rank: on CUDA, GPU `local_rank` of this node (ValueError if it has fewer)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type != "cuda" or device.index is not None:
+        return device
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(
+            f"rank {local_rank} of this node needs GPU {local_rank}, but {torch.cuda.device_count()} are visible"
+        )
+    return torch.device("cuda", local_rank)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -42,12 +54,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def use_column_major_linears(model: torch.nn.Module) -> None:
-    """Store each decoder nn.Linear weight column-major: same [out, in] shape and values, but the
+    """Store each decoder linear layer's weight column-major: same [out, in] shape and values, but the
     memory is [in, out], so F.linear runs MKL's faster non-transposed product at small batches
     (docs/benchmarks.md). The lm_head stays row-major: its vocabulary-wide product is slower
     column-major from batch 4 up."""
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+    for module in model.modules():
+        if isinstance(module, LinearBase):
             module.weight.data = module.weight.data.t().contiguous().t()
 
 
@@ -68,22 +80,32 @@ def eos_ids_of(hf_config: Any, tokenizer: Tokenizer | None, model_dir: Path | No
 
 
 class ModelRunner:
-    """Owns the model, the KV pools and the FutureMap of one engine; runs a ScheduleBatch's forward
+    """Owns the model, the KV pools and the FutureMap of one engine (of one rank, with tensor
+    parallelism: its share of the weights and the KV of its heads); runs a ScheduleBatch's forward
     and samples its next tokens. `tokenizer` (None for dummy weights) only contributes its EOS id."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None, model_dir: Path | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None = None,
+        model_dir: Path | None = None,
+        tp: TPGroup | None = None,
+    ):
         if config.page_size < 1:
             raise ValueError("page_size must be >= 1")
         if config.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {config.cuda_graph_max_bs}")
         self.config = config
-        self.device = resolve_device(config.device)
+        self.tp = tp or TPGroup()
+        self.device = resolve_device(config.device, self.tp.rank % ranks_per_node(config))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         backend_cls = get_attention_backend(self.attention_backend)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.random_seed)
         self.model, self.hf_config = load_model(
-            config.model_path, config.load_format, self.dtype, self.device, seed=config.random_seed
+            config.model_path, config.load_format, self.dtype, self.device, seed=config.random_seed, tp=self.tp
         )
         if self.device.type == "cpu":
             use_column_major_linears(self.model)
@@ -92,12 +114,14 @@ class ModelRunner:
         self.context_len = config.context_length or cfg.max_position_embeddings
         self.eos_token_ids = eos_ids_of(cfg, tokenizer, model_dir)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        attn = next(m.spec for m in self.model.modules() if isinstance(m, Attention))
+        num_heads, num_kv_heads = attn.num_heads, attn.num_kv_heads  # this rank's
         self.token_to_kv_pool = TokenToKVPool(
-            self._pool_size(cfg, head_dim),
+            self._pool_size(cfg, num_kv_heads, head_dim),
             config.page_size,
             self.dtype,
             cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
+            num_kv_heads,
             head_dim,
             self.device,
         )
@@ -108,8 +132,8 @@ class ModelRunner:
         self.future_map = FutureMap(self.req_to_token_pool.size, self.device)
         self.attn_backend = backend_cls(
             AttentionBackendConfig(
-                num_heads=cfg.num_attention_heads,
-                num_kv_heads=cfg.num_key_value_heads,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
                 page_size=config.page_size,
                 max_context_len=self.context_len,
@@ -118,7 +142,7 @@ class ModelRunner:
                 device=self.device,
             )
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(seed=self._shared_sampler_seed())
         # Shapes specialize at first and turn dynamic on the first recompile (torch's default).
         self.compiled_model = torch.compile(self.model) if config.enable_torch_compile else None
         self.cuda_graph_runner: CudaGraphRunner | None = self._build_cuda_graph_runner()
@@ -135,12 +159,21 @@ class ModelRunner:
             logger.info("CUDA graphs off: %s", e)
             return None
 
-    def _pool_size(self, cfg: Any, head_dim: int) -> int:
+    def _shared_sampler_seed(self) -> int | None:
+        """Tensor-parallel ranks must draw the same noise: rank 0's random seed, for all. A single
+        rank seeds its sampler randomly (None)."""
+        if self.tp.size == 1:
+            return None
+        mine = secrets.randbits(63).to_bytes(8, "little") if self.tp.is_leader else None
+        return int.from_bytes(self.tp.broadcast_bytes(mine), "little")
+
+    def _pool_size(self, cfg: Any, num_kv_heads: int, head_dim: int) -> int:
+        """Tokens in the KV pool: the same on every rank (their head counts are equal)."""
         page = self.config.page_size
         if self.config.max_total_tokens is not None:
             size = self.config.max_total_tokens
         else:
-            per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * self.dtype.itemsize
+            per_token = 2 * cfg.num_hidden_layers * num_kv_heads * head_dim * self.dtype.itemsize
             size = int(self.config.kv_memory_gb * (1 << 30) // per_token)
         size = size // page * page
         if size < page:

@@ -11,7 +11,9 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
+from labkit.distributed.parallel_state import TPGroup
 from labkit.model_loader.embedded import embedded_model_dir
+from labkit.model_loader.weight_utils import full_shape_of, load_param
 from labkit.models.registry import get_model_class
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "data" / "configs"
@@ -77,13 +79,15 @@ def iter_safetensors(model_dir: Path, device: torch.device) -> Iterator[tuple[st
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
-    """Seeded normal(0, std) weights, norms = 1: random but numerically tame activations."""
+    """Seeded normal(0, std) weights, norms = 1: random but numerically tame activations. Each full
+    (unsharded) parameter is drawn from its own seed and sliced, so every tp_size gets the same model."""
     for name, param in model.named_parameters():
-        gen = torch.Generator(device=param.device).manual_seed(seed + _stable_hash(name))
         if "norm" in name:
             param.fill_(1.0)
-        else:
-            param.normal_(0.0, std, generator=gen)
+            continue
+        gen = torch.Generator(device=param.device).manual_seed(seed + _stable_hash(name))
+        full = torch.empty(full_shape_of(model, name, param), dtype=param.dtype, device=param.device)
+        load_param(model, name, param, full.normal_(0.0, std, generator=gen))
 
 
 def _stable_hash(name: str) -> int:
@@ -97,8 +101,10 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    tp: TPGroup | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
-    """Build the model for `model_path` on `device` in `dtype` and fill its weights.
+    """Build the model for `model_path` on `device` in `dtype` and fill its weights (this rank's
+    share of them, over a TPGroup).
 
     load_format "auto": a HF directory (config.json + possibly sharded *.safetensors); None = embedded.
     load_format "dummy": random weights for a config given as a directory, .json file or short name."""
@@ -113,7 +119,7 @@ def load_model(
     cls = get_model_class(getattr(config, "architectures", None))
     # Meta construction then to_empty: no throwaway initialization, no CPU copy of a GPU model.
     with torch.device("meta"):
-        model = cls(config, dtype)
+        model = cls(config, dtype, tp or TPGroup())
     model.to_empty(device=device)
     if load_format == "auto":
         loaded = model.load_weights(iter_safetensors(model_dir, device))

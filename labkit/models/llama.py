@@ -2,7 +2,8 @@
 
 Differences between the three are constructor switches: qkv / o_proj bias and per-head q/k RMSNorm.
 q/k/v and gate/up projections are fused into one matmul each; `load_weights` stacks HF's separate
-weights into them."""
+weights into them. Built over a TPGroup: with more than one rank each holds its share of the heads,
+the MLP and the vocabulary (labkit/layers/linear.py says how), and the forward is the same code."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from labkit.distributed.parallel_state import TPGroup
 from labkit.layers import Attention, LogitsProcessor, RMSNorm, SiluAndMul, get_rope
+from labkit.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from labkit.layers.rotary import RopeInputs
+from labkit.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from labkit.model_loader.weight_utils import load_param
 from labkit.models.registry import register_model
 
 if TYPE_CHECKING:
@@ -25,15 +30,16 @@ def head_dim_of(config: Any) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, qkv_bias, tp
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -47,11 +53,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TPGroup) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias, tp)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias, tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,10 +66,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, o_bias, qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, o_bias, qk_norm, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -80,12 +87,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.rotary_emb = get_rope(head_dim_of(config), config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -98,7 +105,7 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-# HF name fragment -> (fused labkit parameter fragment, shard index in the fused output dim).
+# HF name fragment -> (fused labkit parameter fragment, its block in the fused output dim).
 _STACKED = {
     ".q_proj.": (".qkv_proj.", 0),
     ".k_proj.": (".qkv_proj.", 1),
@@ -111,7 +118,8 @@ _STACKED = {
 @register_model("LlamaForCausalLM")
 class LlamaForCausalLM(nn.Module):
     """Causal LM over the paged KV cache: `forward` returns the logits [bs, vocab] (model dtype) of
-    each request's last new token. Built as `cls(hf_config, dtype)`; call under torch.inference_mode()."""
+    each request's last new token, the full vocabulary on every rank. Built as
+    `cls(hf_config, dtype, tp)`; call under torch.inference_mode()."""
 
     qk_norm = False
 
@@ -121,52 +129,39 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, tp: TPGroup | None = None) -> None:
         super().__init__()
+        tp = tp or TPGroup()
         self.config = config
         self.dtype = dtype
         qkv_bias, o_bias = self.attention_biases(config)
-        self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm)
+        self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = (
-            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.logits_processor = LogitsProcessor()
         self.to(dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(input_ids, positions, forward_batch)
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.logits_processor(hidden, head, forward_batch)
-
-    def _shard(self, name: str) -> tuple[str, int, int]:
-        """Map a HF parameter name to (labkit name, row offset, rows) inside the fused weight."""
-        for frag, (fused, idx) in _STACKED.items():
-            if frag in name:
-                if fused == ".qkv_proj.":
-                    attn = self.model.layers[0].self_attn
-                    sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-                else:
-                    sizes = [self.config.intermediate_size] * 2
-                return name.replace(frag, fused), sum(sizes[:idx]), sizes[idx]
-        return name, 0, -1
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.gather_logits(self.logits_processor(hidden, head.weight, forward_batch))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into the (fused) parameters; returns the labkit names filled.
-        Fused parameters count as filled once any shard arrives; the loader checks completeness."""
+        """Copy this rank's slice of each HF-named (full) tensor into the (fused) parameters; returns
+        the labkit names filled. A fused parameter counts as filled once any of its blocks arrives;
+        the loader checks completeness."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.lm_head is None and name == "lm_head.weight"):
                 continue  # rope is recomputed; a tied head has no tensor of its own
-            target, offset, rows = self._shard(name)
+            target, block = name, None
+            for frag, (fused, idx) in _STACKED.items():
+                if frag in name:
+                    target, block = name.replace(frag, fused), idx
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            param = params[target]
-            dst = param.data if rows < 0 else param.data.narrow(0, offset, rows)
-            if dst.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
-            dst.copy_(tensor)
+            load_param(self, target, params[target], tensor, block)
             loaded.add(target)
         return loaded

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from labkit.config import EngineConfig
-from labkit.io_struct import TokenizedGenerateReqInput
+from labkit.distributed.parallel_state import TPGroup
+from labkit.io_struct import AbortReq, TokenizedGenerateReqInput
 from labkit.mem_cache.base_prefix_cache import BasePrefixCache, held_row
 from labkit.mem_cache.chunk_cache import ChunkCache
 from labkit.mem_cache.radix_cache import RadixCache
@@ -29,6 +30,7 @@ from labkit.scheduler.output_processor import SchedulerOutputProcessorMixin
 from labkit.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, Tokenizer
 from labkit.scheduler.schedule_policy import PrefillAdder, SchedulePolicy, make_policy
 from labkit.scheduler.scheduler_metrics import SchedulerMetricsMixin
+from labkit.scheduler.tp_sync import SchedulerCall, SchedulerTPMixin
 from labkit.trace.events import Station
 from labkit.trace.recorder import Tracer
 
@@ -70,7 +72,7 @@ class StepOutput:
     cache_hit_tokens: int = 0
 
 
-class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
+class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerTPMixin):
     def __init__(
         self, config: EngineConfig, model_runner: ModelRunner, tokenizer: Tokenizer | None, tracer: Tracer | None = None
     ):
@@ -78,6 +80,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.model_runner = model_runner
         self.tokenizer = tokenizer
         self.tracer = tracer
+        self.tp = model_runner.tp
+        self._tp_outbox = []  # inputs the leader took since its last broadcast (labkit.scheduler.tp_sync)
         self.page_size = config.page_size
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.allocator = model_runner.token_to_kv_pool_allocator
@@ -106,16 +110,21 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.in_flight: tuple[ScheduleBatch, HostSample] | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, tracer: Tracer | None = None) -> Scheduler:
-        """Load the tokenizer and model, size the pools, and build the scheduler around them. The
-        Engine and the server's scheduler process both start here."""
+    def from_config(cls, config: EngineConfig, tracer: Tracer | None = None, tp: TPGroup | None = None) -> Scheduler:
+        """Load the tokenizer and model (this rank's share over `tp`), size the pools, and build the
+        scheduler around them. The Engine, its tensor-parallel workers and the server's scheduler
+        processes all start here."""
         model_dir, tokenizer = model_dir_and_tokenizer(config.model_path, config.load_format)
-        return cls(config, ModelRunner(config, tokenizer, model_dir), tokenizer, tracer)
+        return cls(config, ModelRunner(config, tokenizer, model_dir, tp), tokenizer, tracer)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def flush_cache(self) -> None:
         """Drop the prefix cache, returning its KV slots. RuntimeError while requests are in flight
         (they hold locks on it); the scheduler is unchanged then."""
+        self._flush()
+        self._mirror(SchedulerCall(method="flush_cache"))
+
+    def _flush(self) -> None:
         if self.has_work():
             raise RuntimeError("cannot flush the cache while requests are waiting or running")
         self.tree_cache.reset()
@@ -127,15 +136,17 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         RuntimeError while requests are in flight, ValueError for an unknown policy; the scheduler is
         unchanged then."""
         new_policy = self._make_policy(policy or self.config.schedule_policy, seed)
-        self.flush_cache()
+        self._flush()
         self.new_token_ratio = self.init_new_token_ratio
         self.step_id = 0
         self.policy = new_policy
+        self._mirror(SchedulerCall(method="reset", kwargs={"policy": policy, "seed": seed}))
 
     def set_policy(self, name: str, seed: int | None = None) -> None:
         """Order the waiting queue by the registered policy `name` from the next step on (seed:
         default config.random_seed). ValueError for an unknown name; the policy is unchanged then."""
         self.policy = self._make_policy(name, seed)
+        self._mirror(SchedulerCall(method="set_policy", kwargs={"name": name, "seed": seed}))
 
     def _make_policy(self, name: str, seed: int | None) -> SchedulePolicy:
         return make_policy(name, self.config.random_seed if seed is None else seed)
@@ -157,6 +168,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         if recv.created_time:
             req.times["arrival"] = recv.created_time
         self.waiting_queue.append(req)
+        self._mirror(recv)
         return req
 
     def waiting_order(self, policy: str) -> list[Req]:
@@ -183,6 +195,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             self.waiting_queue.remove(req)
             req.times["finished"] = time.perf_counter()
         self.aborted.append(req)
+        self._mirror(AbortReq(rid=rid))
         return True
 
     def _release_aborted(self) -> None:
@@ -204,6 +217,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         overlap that is the batch just launched. With overlap it is the previous one: its forward ran
         on the device while the host scheduled and launched this one, so a step reports the tokens of
         the batch launched one step earlier (see labkit.model_executor.future_map)."""
+        self.broadcast_inputs(step=True)  # tensor parallelism: the followers take the same step
         self.step_id += 1
         start = time.perf_counter()
         self._release_aborted()
@@ -224,6 +238,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 self._take_in_flight(out, None)
         if self.tracer is not None:
             self._trace_step(self.tracer, out, start)
+            self.gather_step_records()
         return out
 
     def _take_in_flight(self, out: StepOutput, next_batch: ScheduleBatch | None) -> None:

@@ -5,6 +5,7 @@ snapshot for labkit.viz)."""
 from __future__ import annotations
 
 import time
+import zlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,11 +19,13 @@ from labkit.trace.events import PoolUsage, Station, StepRecord
 from labkit.trace.recorder import Tracer
 
 if TYPE_CHECKING:
+    from labkit.distributed.parallel_state import TPGroup
     from labkit.scheduler.scheduler import StepOutput
 
 
 class SchedulerMetricsMixin:
-    """Mixed into Scheduler, which provides the state below. Reads it only."""
+    """Mixed into Scheduler, which provides the state below. Reads it only (and takes the group's
+    collective counts for each step's record)."""
 
     page_size: int
     step_id: int
@@ -32,6 +35,7 @@ class SchedulerMetricsMixin:
     req_to_token_pool: ReqToTokenPool
     allocator: TokenToKVPoolAllocator
     tree_cache: BasePrefixCache
+    tp: TPGroup
 
     def pool_usage(self) -> PoolUsage:
         """KV slots by owner, counted independently (a leak shows as a sum that is off)."""
@@ -106,6 +110,7 @@ class SchedulerMetricsMixin:
             )
 
     def _trace_step(self, tracer: Tracer, out: StepOutput, start: float) -> None:
+        comm = self.tp.stats.take()
         tracer.step(
             StepRecord(
                 step=out.step,
@@ -124,6 +129,10 @@ class SchedulerMetricsMixin:
                 finished=[r.rid for r in out.finished],
                 retracted=out.retracted,
                 blocked=out.blocked,
+                rank=self.tp.rank,
+                comm_calls=comm.calls,
+                comm_seconds=comm.seconds,
+                sampled_digest=zlib.crc32(repr(sorted(out.new_token_ids.items())).encode()),
             )
         )
         # The tree with its locks and the waiting queue with its matches, for replaying (labkit.viz).

@@ -63,6 +63,10 @@ class StepRecord:
     retracted: list[str] = field(default_factory=list)
     # Per waiting request left in the queue: the limit that held it back (PrefillAdder's verdict).
     blocked: dict[str, str] = field(default_factory=dict)
+    rank: int = 0  # the tensor-parallel rank that ran it (every rank runs every step)
+    comm_calls: int = 0  # its collectives (all-reduce, all-gather) this step
+    comm_seconds: float = 0.0  # time in them, where they block (gloo on CPU; 0 on CUDA, see CommStats)
+    sampled_digest: int = 0  # crc32 of the (rid, token) pairs it took: equal on every rank of a step
 
 
 @dataclass

@@ -1,0 +1,128 @@
+"""Tensor-parallel linear layers (Megatron's split, SGLang's names).
+
+A column-parallel layer splits the output features over the ranks (each rank computes its slice,
+no communication); a row-parallel layer splits the input features (each rank computes a partial sum,
+then an all-reduce adds them). Attention is column (q/k/v heads) then row (o_proj); the MLP is
+column (gate/up) then row (down): one all-reduce per block.
+
+Every weight is loaded through its layer's `load(param, full, shard_id)`, which takes the full,
+unsharded tensor (a HF checkpoint tensor, or a random one for dummy weights) and copies this rank's
+slice, so no rank ever holds more than one full tensor at a time. With one rank they are plain
+linear layers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labkit.distributed.parallel_state import TPGroup, split_evenly
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) with this rank's W [out_local, in_local]. `full_shape` is the unsharded
+    weight's shape; subclasses say which slice of it this rank holds."""
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPGroup, full_shape: tuple[int, int]):
+        super().__init__()
+        self.tp = tp
+        self.full_shape = full_shape
+        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load(self, param: nn.Parameter, full: torch.Tensor, shard_id: int | None = None) -> None:
+        """Copy this rank's slice of `full` (the whole parameter, or block `shard_id` of a fused one)."""
+        raise NotImplementedError
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{name}: checkpoint slice shape {tuple(src.shape)} != {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split over the ranks, in blocks: a fused layer (gate|up, q|k|v) is several
+    blocks, each split on its own so that every rank holds a slice of each. `block_slices[i]` is
+    (start, length) of this rank's rows within full block i; they are stacked in block order."""
+
+    def __init__(self, in_features: int, block_sizes: list[int], bias: bool, tp: TPGroup):
+        slices = self.rank_slices(block_sizes, tp)
+        super().__init__(in_features, sum(n for _, n in slices), bias, tp, (sum(block_sizes), in_features))
+        self.block_sizes = block_sizes
+        self.block_slices = slices
+
+    def rank_slices(self, block_sizes: list[int], tp: TPGroup) -> list[tuple[int, int]]:
+        """Even split of each block (ValueError if a block does not divide)."""
+        out = []
+        for size in block_sizes:
+            n = split_evenly(size, tp.size, "output features")
+            out.append((tp.rank * n, n))
+        return out
+
+    def load(self, param: nn.Parameter, full: torch.Tensor, shard_id: int | None = None) -> None:
+        if shard_id is None and len(self.block_sizes) > 1:  # the whole fused tensor: block by block
+            for i, block in enumerate(full.split(self.block_sizes, dim=0)):
+                self.load(param, block, i)
+            return
+        i = shard_id or 0
+        offset = sum(n for _, n in self.block_slices[:i])
+        start, n = self.block_slices[i]
+        if full.shape[0] != self.block_sizes[i]:
+            raise ValueError(f"block {i}: checkpoint rows {full.shape[0]} != {self.block_sizes[i]}")
+        _copy(param.data.narrow(0, offset, n), full.narrow(0, start, n), type(self).__name__)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """gate_proj and up_proj as one matmul: blocks [gate, up], each split over the ranks."""
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections as one matmul. The query heads are split over the ranks; the KV heads
+    too when there are at least as many as ranks, otherwise each is replicated on tp_size / num_kv_heads
+    ranks (each rank keeps the one KV head its query heads attend to)."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup):
+        self.num_heads = split_evenly(num_heads, tp.size, "query heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = split_evenly(num_kv_heads, tp.size, "KV heads")
+            kv_head = tp.rank * self.num_kv_heads
+        else:
+            if tp.size % num_kv_heads:
+                raise ValueError(
+                    f"tp_size {tp.size} is neither a divisor nor a multiple of the {num_kv_heads} KV heads"
+                )
+            self.num_kv_heads = 1
+            kv_head = tp.rank * num_kv_heads // tp.size
+        self.head_dim = head_dim
+        self._kv_start = kv_head * head_dim
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden, [q, kv, kv], bias, tp)
+
+    def rank_slices(self, block_sizes: list[int], tp: TPGroup) -> list[tuple[int, int]]:
+        q_n, kv_n = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return [(tp.rank * q_n, q_n), (self._kv_start, kv_n), (self._kv_start, kv_n)]
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split over the ranks; the partial products are summed by an all-reduce (the
+    bias is added once, after it)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
+        self.in_local = split_evenly(in_features, tp.size, "input features")
+        super().__init__(self.in_local, out_features, bias, tp, (out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+    def load(self, param: nn.Parameter, full: torch.Tensor, shard_id: int | None = None) -> None:
+        if param.dim() == 1:  # the bias is whole on every rank
+            _copy(param.data, full, type(self).__name__)
+            return
+        _copy(param.data, full.narrow(1, self.tp.rank * self.in_local, self.in_local), type(self).__name__)

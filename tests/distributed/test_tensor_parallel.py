@@ -1,0 +1,130 @@
+"""Tensor parallelism on CPU (gloo): an Engine(tp_size=N) gives the tokens and logprobs of tp_size 1,
+with the radix cache, chunked prefill and retraction at work; every rank samples the same tokens;
+bad layouts and dead ranks are clear errors, not hangs."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from labkit.engine import Engine
+
+TOP = 5
+
+
+def _workload(vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompts sharing prefixes (radix hits), some long enough to be chunked."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(40)]
+    prompts = [shared + [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
+    prompts += [[rng.randrange(vocab) for _ in range(rng.randrange(2, 70))] for _ in range(4)]
+    return prompts
+
+
+def _run(engine: Engine, prompts: list[list[int]], params: list[dict]) -> tuple[dict, dict]:
+    """Step the engine to the end; (results by rid, what the steps did)."""
+    rids = [engine.add_request(input_ids=p, sampling_params=sp) for p, sp in zip(prompts, params)]
+    seen = {"retracted": 0, "cache_hit_tokens": 0, "chunked": 0}
+    while engine.scheduler.has_work():
+        step = engine.step()
+        seen["retracted"] += len(step.retracted)
+        seen["cache_hit_tokens"] += step.cache_hit_tokens
+        seen["chunked"] += engine.scheduler.chunked_req is not None
+    return {rid: engine.results.pop(rid) for rid in rids}, seen
+
+
+def _assert_same(ref: dict, got: dict) -> None:
+    for rid, r in ref.items():
+        g = got[rid]
+        assert g["output_ids"] == r["output_ids"], rid
+        assert g["meta_info"]["finish_reason"] == r["meta_info"]["finish_reason"]
+        for (lp_r, _), (lp_g, _) in zip(
+            r["meta_info"]["output_token_logprobs"], g["meta_info"]["output_token_logprobs"]
+        ):
+            assert lp_g == pytest.approx(lp_r, abs=1e-4)
+        for top_r, top_g in zip(r["meta_info"]["output_top_logprobs"], g["meta_info"]["output_top_logprobs"]):
+            assert [t for t, _ in top_g] == [t for t, _ in top_r]
+            assert [lp for _, lp in top_g] == pytest.approx([lp for _, lp in top_r], abs=1e-4)
+
+
+TIGHT = {"max_total_tokens": 320, "chunked_prefill_size": 32, "max_running_requests": 8}
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_tp2_gives_the_tokens_and_logprobs_of_tp1_with_cache_chunks_and_retraction(model):
+    common = {"model_path": model, "load_format": "dummy", "random_seed": 5, **TIGHT}
+    ref_engine = Engine(**common)
+    prompts = _workload(ref_engine.model_runner.vocab_size)
+    params = [
+        {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True, "return_logprob": True, "top_logprobs_num": TOP}
+    ] * len(prompts)
+    ref, ref_seen = _run(ref_engine, prompts, params)
+    with Engine(**common, tp_size=2) as engine:
+        got, seen = _run(engine, prompts, params)
+    assert seen == ref_seen  # the same decisions, step by step
+    assert seen["retracted"] > 0 and seen["cache_hit_tokens"] > 0 and seen["chunked"] > 0
+    _assert_same(ref, got)
+
+
+def test_every_rank_samples_the_same_tokens_with_temperature_and_seeds():
+    common = {"model_path": "tiny-qwen3", "load_format": "dummy", "enable_trace": True, "max_total_tokens": 2048}
+    prompts = _workload(256, seed=1)
+    params = [
+        {"max_new_tokens": 16, "temperature": 1.3, "top_p": 0.9, "ignore_eos": True, **({"seed": i} if i % 2 else {})}
+        for i in range(len(prompts))
+    ]
+    ref, _ = _run(Engine(**common), prompts, params)
+    with Engine(**common, tp_size=2) as engine:
+        got, _ = _run(engine, prompts, params)
+        records = engine.tracer.steps
+    by_step: dict[int, dict[int, int]] = {}
+    for rec in records:
+        by_step.setdefault(rec.step, {})[rec.rank] = rec.sampled_digest
+    assert len(by_step) > 10 and all(set(ranks) == {0, 1} for ranks in by_step.values())
+    assert all(len(set(ranks.values())) == 1 for ranks in by_step.values()), "the ranks sampled different tokens"
+    seeded = [rid for i, rid in enumerate(ref) if "seed" in params[i]]
+    assert [got[r]["output_ids"] for r in seeded] == [ref[r]["output_ids"] for r in seeded]  # as with tp_size 1
+
+
+def test_a_rank_layout_the_model_cannot_split_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="tp_size 3 does not fit the model"):
+        Engine(model_path="tiny-llama", load_format="dummy", tp_size=3)
+    with pytest.raises(ValueError, match="does not split evenly over 2 nodes"):
+        Engine(model_path="tiny-llama", load_format="dummy", tp_size=3, nnodes=2, dist_init_addr="127.0.0.1:1")
+
+
+def test_a_dead_follower_makes_the_next_step_fail_instead_of_hanging():
+    engine = Engine(model_path="tiny-llama", load_format="dummy", tp_size=2, max_total_tokens=1024)
+    try:
+        [follower] = engine._followers.procs
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join(timeout=10)
+        engine.add_request(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4})
+        start = time.monotonic()
+        with pytest.raises(RuntimeError):
+            engine.step()
+        assert time.monotonic() - start < 30
+    finally:
+        engine._followers = None  # nothing left to stop
+        from labkit.distributed.parallel_state import destroy_tp_group
+
+        destroy_tp_group(engine.scheduler.tp)
+
+
+@pytest.mark.slow
+def test_tp3_on_the_embedded_model_gives_the_tokens_of_tp1():
+    """SmolLM2's 9 query / 3 KV heads split three ways (two ways is refused)."""
+    with pytest.raises(ValueError, match="9 query heads"):
+        Engine(tp_size=2)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+    params = {"max_new_tokens": 12, "temperature": 0, "return_logprob": True, "top_logprobs_num": TOP}
+    ref_engine = Engine(max_total_tokens=2048)
+    ref = dict(enumerate(ref_engine.generate(prompts, params)))
+    with Engine(max_total_tokens=2048, tp_size=3) as engine:
+        got = dict(enumerate(engine.generate(prompts, params)))
+    _assert_same(ref, got)
+    assert ref[0]["text"] == got[0]["text"]
