@@ -4,6 +4,7 @@ and the TokenizerManager (text pieces), over ZMQ. Its trace records travel on wi
 from __future__ import annotations
 
 import logging
+import os
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -73,6 +74,6 @@ def run_detokenizer_process(args: ServerArgs, ports: PortArgs, ready: Connection
         traceback.print_exc()
         ready.send({"error": f"{type(e).__name__}: {e}"})
         return
-    ready.send({"info": {}})
+    ready.send({"info": {"pid": os.getpid()}})
     loop.run(parent_pid)
     ports.cleanup()  # the main process is gone (killed?) and left its socket directory

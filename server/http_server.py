@@ -194,6 +194,7 @@ def create_app(runtime: AppRuntime) -> FastAPI:
                 **manager.info,
                 **info.data,
                 "in_flight": len(manager.rid_to_state),
+                "dp_routed_requests": manager.dp.routed_counts,
             }
         )
 

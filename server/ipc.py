@@ -31,6 +31,10 @@ class PortArgs:
         d = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
         return cls(d, f"ipc://{d}/tokenizer", f"ipc://{d}/scheduler", f"ipc://{d}/detokenizer")
 
+    def scheduler_ipc_of(self, dp_rank: int) -> str:
+        """The socket of data-parallel replica `dp_rank`'s scheduler (replica 0's is scheduler_ipc)."""
+        return self.scheduler_ipc if dp_rank == 0 else f"{self.scheduler_ipc}-{dp_rank}"
+
     def cleanup(self) -> None:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 

@@ -18,17 +18,21 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
 
+from labkit.config import EngineConfig, ranks_per_node
+from labkit.distributed.tp_worker import check_tp_shapes, free_local_addr
+from labkit.model_executor.model_runner import resolve_device
 from labkit.model_loader.embedded import EMBEDDED_MODEL_NAME
-from labkit.model_loader.loader import model_dir_and_tokenizer
+from labkit.model_loader.loader import load_config, model_dir_and_tokenizer
 from labkit.server.detokenizer_process import run_detokenizer_process
 from labkit.server.http_server import create_app
 from labkit.server.ipc import PortArgs, remove_stale_ipc_dirs
 from labkit.server.process import READY_LINE
-from labkit.server.scheduler_process import run_scheduler_process
+from labkit.server.scheduler_process import RankPlace, run_scheduler_process
 from labkit.server.server_args import ServerArgs
 from labkit.server.tokenizer_manager import TokenizerManager
 from labkit.trace.recorder import Tracer
@@ -51,15 +55,26 @@ class Launcher:
         self.stopping = False
 
     def start_children(self) -> None:
+        """This node's scheduler ranks of every replica, and on node 0 the detokenizer."""
+        cfg = self.args.engine
+        per_node = ranks_per_node(cfg)
+        for dp_rank in range(self.args.dp_size):
+            addr = replica_init_addr(cfg, dp_rank)
+            for tp_rank in range(cfg.node_rank * per_node, (cfg.node_rank + 1) * per_node):
+                place = RankPlace(dp_rank, tp_rank, addr)
+                self._start(place.name, run_scheduler_process, place)
+        if cfg.node_rank == 0:
+            self._start("detokenizer", run_detokenizer_process)
+
+    def _start(self, name: str, target: Callable[..., None], *extra: object) -> None:
         ctx = mp.get_context("spawn")  # a clean interpreter: no forked torch or event-loop state
-        for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=target, name=f"labkit-{name}", daemon=True, args=(self.args, self.ports, writer, os.getpid())
-            )
-            proc.start()
-            writer.close()
-            self.procs[name], self.ready_conns[name] = proc, reader
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=target, name=f"labkit-{name}", daemon=True, args=(self.args, self.ports, writer, os.getpid(), *extra)
+        )
+        proc.start()
+        writer.close()
+        self.procs[name], self.ready_conns[name] = proc, reader
 
     def wait_ready(self) -> dict[str, dict]:
         """Block until every child reported in; their info by name. Raises RuntimeError if one failed."""
@@ -119,7 +134,9 @@ class ServerRuntime:
     async def run(self) -> None:
         try:
             infos = await asyncio.to_thread(self.launcher.wait_ready)
-            self.tm = make_tokenizer_manager(self.args, self.tokenizer, self.launcher.ports, infos["scheduler"])
+            # Every child's pid by name (scheduler, scheduler-tp1, ..., detokenizer), for /get_server_info.
+            info = {**infos["scheduler"], "processes": {name: i.get("pid") for name, i in infos.items()}}
+            self.tm = make_tokenizer_manager(self.args, self.tokenizer, self.launcher.ports, info)
             loop_task = asyncio.create_task(self.tm.handle_loop())
             while not await self.tm.generate_one_token(timeout=WARM_UP_TIMEOUT_S):  # warm-up, proves the path
                 if self._failure(loop_task):
@@ -170,9 +187,14 @@ class ServerRuntime:
 
 def make_tokenizer_manager(args: ServerArgs, tokenizer, ports: PortArgs, scheduler_info: dict) -> TokenizerManager:
     """The HTTP side's TokenizerManager for these args: the queue cap (--max-queued-requests beyond
-    --max-running-requests; none by default) and a Tracer when tracing."""
-    cap = None if args.max_queued_requests is None else args.engine.max_running_requests + args.max_queued_requests
-    return TokenizerManager(tokenizer, ports, scheduler_info, cap, Tracer() if args.engine.enable_trace else None)
+    --max-running-requests per replica; none by default), a Tracer when tracing, and the routing to
+    the --dp-size replicas."""
+    running = args.engine.max_running_requests * args.dp_size
+    cap = None if args.max_queued_requests is None else running + args.max_queued_requests
+    tracer = Tracer() if args.engine.enable_trace else None
+    return TokenizerManager(
+        tokenizer, ports, scheduler_info, cap, tracer, dp_size=args.dp_size, load_balance=args.load_balance_method
+    )
 
 
 def model_name_of(args: ServerArgs) -> str:
@@ -196,6 +218,50 @@ class _UvicornServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def replica_init_addr(cfg: EngineConfig, dp_rank: int) -> str:
+    """Where replica `dp_rank`'s ranks meet: --dist-init-addr's port + dp_rank, or a free local port
+    (one node). Unused with tp_size 1."""
+    if cfg.dist_init_addr:
+        host, _, port = cfg.dist_init_addr.rpartition(":")
+        return f"{host}:{int(port) + dp_rank}"
+    return free_local_addr()
+
+
+def check_layout(args: ServerArgs) -> None:
+    """SystemExit, before any process starts, for a tp_size the model cannot split or more ranks
+    on this node than it has GPUs."""
+    cfg = args.engine
+    try:
+        if cfg.tp_size > 1:
+            check_tp_shapes(load_config(cfg.model_path), cfg.tp_size)
+        resolve_device(cfg.device, ranks_per_node(cfg) - 1)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"labkit server: {e}") from None
+
+
+def run_worker_node(args: ServerArgs) -> int:
+    """Node 1.. of a multi-node launch: only this node's scheduler ranks (they follow rank 0 on node
+    0); no HTTP. Exits when a rank exits (e.g. node 0 went away) or on Ctrl-C / SIGTERM."""
+    launcher = Launcher(args)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_cleanly)
+    try:
+        launcher.start_children()
+        launcher.wait_ready()
+        print(f"labkit node {args.engine.node_rank} ready ({len(launcher.procs)} scheduler ranks)", flush=True)
+        while (reason := launcher.dead_child()) is None:
+            time.sleep(WATCH_INTERVAL_S)
+        logger.error("%s; this node stops", reason)
+        return 1
+    except RuntimeError as e:
+        logger.error("%s", e)
+        return 1
+    except SystemExit:
+        return 0
+    finally:
+        launcher.shutdown()
+
+
 def check_port_free(host: str, port: int) -> None:
     """SystemExit with a clear message if (host, port) cannot be bound, e.g. another server has it."""
     try:
@@ -214,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ServerArgs.from_cli(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints where it is
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s main] %(levelname)s %(message)s")
+    check_layout(args)
+    if args.engine.node_rank > 0:
+        return run_worker_node(args)
     check_port_free(args.host, args.port)  # before the model loads, which takes a while
     for path in remove_stale_ipc_dirs():
         logger.info("removed the socket directory of a server that is gone: %s", path)

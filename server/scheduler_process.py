@@ -2,7 +2,11 @@
 
 Its event loop: receive requests (blocking only when idle), add/abort them, run one scheduler step,
 send the step's tokens to the detokenizer. Control requests (get_info, flush_cache) are answered
-straight to the TokenizerManager between steps."""
+straight to the TokenizerManager between steps.
+
+With tensor parallelism there is one such process per rank: rank 0 runs this loop (and hands its
+inputs on to the others at each step, or every idle poll), ranks 1.. follow it and talk to no socket
+(labkit.scheduler.tp_sync). With data parallelism each replica has its own rank 0 and socket."""
 
 from __future__ import annotations
 
@@ -10,12 +14,14 @@ import dataclasses
 import logging
 import os
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import msgspec
 import zmq
 
-from labkit.config import EngineConfig
+from labkit.config import EngineConfig, ranks_per_node
+from labkit.distributed.parallel_state import TPGroup, init_tp_group
 from labkit.io_struct import (
     AbortReq,
     BatchTokenIDOutput,
@@ -26,6 +32,7 @@ from labkit.io_struct import (
     ToScheduler,
     TraceChunk,
 )
+from labkit.model_executor.model_runner import resolve_device
 from labkit.scheduler.scheduler import Scheduler, StepOutput
 from labkit.server.ipc import ENCODER, PortArgs, init_child, parent_alive, pull_socket, push_socket
 from labkit.server.server_args import ServerArgs
@@ -35,36 +42,73 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 500  # how often an idle scheduler checks that the main process is still there
 
 
-def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready: Connection, parent_pid: int) -> None:
-    init_child("scheduler", args.log_level)
+@dataclass(frozen=True)
+class RankPlace:
+    """Where a scheduler process sits: its data-parallel replica, its rank in the replica's
+    tensor-parallel group, and that group's rendezvous address."""
+
+    dp_rank: int = 0
+    tp_rank: int = 0
+    init_addr: str = ""
+
+    @property
+    def name(self) -> str:
+        parts = ["scheduler"]
+        if self.dp_rank:
+            parts.append(f"dp{self.dp_rank}")
+        if self.tp_rank:
+            parts.append(f"tp{self.tp_rank}")
+        return "-".join(parts)
+
+
+def run_scheduler_process(
+    args: ServerArgs, ports: PortArgs, ready: Connection, parent_pid: int, place: RankPlace = RankPlace()
+) -> None:
+    init_child(place.name, args.log_level)
+    config = args.engine
     try:
-        loop = SchedulerLoop.create(args.engine, ports)
+        device = resolve_device(config.device, place.tp_rank % ranks_per_node(config))
+        tp = init_tp_group(place.tp_rank, config.tp_size, place.init_addr, device, config.dist_timeout)
+        if tp.is_leader:
+            loop = SchedulerLoop.create(config, ports, tp, place.dp_rank)
+        else:
+            loop, follower = None, Scheduler.from_config(config, _tracer(config), tp)
     except Exception as e:  # report why start-up failed, then exit
         traceback.print_exc()
         ready.send({"error": f"{type(e).__name__}: {e}"})
+        return
+    if loop is None:
+        ready.send({"info": {"pid": os.getpid(), "tp_rank": place.tp_rank}})
+        follower.follow_leader()
         return
     ready.send({"info": loop.info()})
     loop.run(parent_pid)
     ports.cleanup()  # the main process is gone (killed?) and left its socket directory
 
 
+def _tracer(config: EngineConfig) -> Tracer | None:
+    # Tree snapshots stay in-process (labkit.viz replays Engine runs); the server ships the rest.
+    return Tracer(record_snapshots=False) if config.enable_trace else None
+
+
 class SchedulerLoop:
     """The scheduler's event loop: its Scheduler and the ZMQ sockets it reads and writes."""
 
-    def __init__(self, scheduler: Scheduler, ports: PortArgs):
+    def __init__(self, scheduler: Scheduler, ports: PortArgs, dp_rank: int = 0):
         self.scheduler = scheduler
         self.ctx = zmq.Context()
-        self.recv_from_tokenizer = pull_socket(self.ctx, ports.scheduler_ipc)
+        self.recv_from_tokenizer = pull_socket(self.ctx, ports.scheduler_ipc_of(dp_rank))
         self.send_to_detokenizer = push_socket(self.ctx, ports.detokenizer_ipc)
         self.send_to_tokenizer = push_socket(self.ctx, ports.tokenizer_ipc)
         self.decoder = msgspec.msgpack.Decoder(ToScheduler)
 
     @classmethod
-    def create(cls, config: EngineConfig, ports: PortArgs) -> SchedulerLoop:
-        """Load the model and build the scheduler (with a tracer if config.enable_trace), bound to `ports`."""
-        # Tree snapshots stay in-process (labkit.viz replays Engine runs); the server ships the rest.
-        tracer = Tracer(record_snapshots=False) if config.enable_trace else None
-        return cls(Scheduler.from_config(config, tracer), ports)
+    def create(
+        cls, config: EngineConfig, ports: PortArgs, tp: TPGroup | None = None, dp_rank: int = 0
+    ) -> SchedulerLoop:
+        """Load the model and build the scheduler (with a tracer if config.enable_trace), bound to
+        `ports` as replica `dp_rank`'s scheduler (rank 0 of `tp`)."""
+        return cls(Scheduler.from_config(config, _tracer(config), tp), ports, dp_rank)
 
     def close(self) -> None:
         """Close the sockets (the process's exit does it in the server)."""
@@ -86,6 +130,7 @@ class SchedulerLoop:
         while parent_alive(parent_pid):
             self.run_once(IDLE_POLL_MS)
         logger.info("main process gone; scheduler exits")
+        self.scheduler.broadcast_inputs(stop=True)
 
     def run_once(self, idle_poll_ms: int) -> bool:
         """One turn: take the messages that arrived (waiting up to idle_poll_ms if there is no work),
@@ -94,6 +139,7 @@ class SchedulerLoop:
         for msg in self.recv_requests(idle_poll_ms):
             self.process_input_request(msg)
         if not self.scheduler.has_work():
+            self.scheduler.broadcast_inputs()  # the inputs (and a heartbeat) to the other ranks
             return False
         return self.send_outputs(self.scheduler.step())
 

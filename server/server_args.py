@@ -15,7 +15,8 @@ import yaml
 
 from labkit.attention import ATTENTION_BACKENDS
 from labkit.attention.base import LAZY_BACKENDS
-from labkit.config import EngineConfig
+from labkit.config import EngineConfig, check_parallel
+from labkit.distributed.dp_controller import LOAD_BALANCE_POLICIES
 from labkit.scheduler.schedule_policy import POLICIES
 
 HIDDEN_ENGINE_FIELDS = {"enable_trace"}  # set by --trace-file
@@ -38,6 +39,12 @@ class ServerArgs:
     )
     max_request_bytes: int = field(
         default=16 * 1024 * 1024, metadata={"help": "largest request body accepted; larger ones get 413"}
+    )
+    dp_size: int = field(
+        default=1, metadata={"help": "data parallelism: model replicas (each of --tp-size ranks) behind this server"}
+    )
+    load_balance_method: str = field(
+        default="round_robin", metadata={"help": "how requests are routed to the --dp-size replicas"}
     )
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     enable_metrics: bool = field(default=False, metadata={"help": "serve Prometheus metrics at /metrics"})
@@ -68,6 +75,12 @@ class ServerArgs:
             raise SystemExit("--max-request-bytes must be >= 1")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise SystemExit("--max-queued-requests must be >= 0")
+        if self.dp_size < 1:
+            raise SystemExit("--dp-size must be >= 1")
+        try:
+            check_parallel(self.engine)
+        except ValueError as e:
+            raise SystemExit(f"labkit server: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -87,6 +100,7 @@ def _choices() -> dict[str, list[str]]:
     """The registered names, read when the parser is built (a policy registered before counts)."""
     return {
         "schedule_policy": sorted(POLICIES),
+        "load_balance_method": sorted(LOAD_BALANCE_POLICIES),
         "attention_backend": ["auto", *sorted(ATTENTION_BACKENDS.keys() | LAZY_BACKENDS.keys())],
     }
 

@@ -20,6 +20,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from labkit.distributed.dp_controller import DataParallelController
 from labkit.io_struct import (
     AbortReq,
     BatchStrOutput,
@@ -68,7 +69,14 @@ class ReqState:
 
 class TokenizerManager:
     def __init__(
-        self, tokenizer, ports: PortArgs, info: dict[str, Any], max_in_flight: int | None, tracer: Tracer | None = None
+        self,
+        tokenizer,
+        ports: PortArgs,
+        info: dict[str, Any],
+        max_in_flight: int | None,
+        tracer: Tracer | None = None,
+        dp_size: int = 1,
+        load_balance: str = "round_robin",
     ):
         self.tokenizer = tokenizer
         self.limits = RequestLimits(**info["limits"])
@@ -83,7 +91,9 @@ class TokenizerManager:
         self.last_finish_time = float("-inf")  # perf_counter of the last request that finished normally
         self._control: dict[str, asyncio.Future] = {}
         self._probe: asyncio.Future[bool] | None = None  # the health probe in flight, shared by its callers
-        self._send = push_socket(zmq.Context.instance(), ports.scheduler_ipc)
+        # One scheduler per data-parallel replica; the controller picks each request's.
+        self._sends = [push_socket(zmq.Context.instance(), ports.scheduler_ipc_of(d)) for d in range(dp_size)]
+        self.dp = DataParallelController(dp_size, load_balance)
         self._recv = pull_socket(zmq.asyncio.Context.instance(), ports.tokenizer_ipc)
         self._decoder = msgspec.msgpack.Decoder(ToTokenizer)
 
@@ -105,7 +115,7 @@ class TokenizerManager:
                 raise ValueError(f"request id {rid!r} is already in use")
         states = []
         for tok, msg in encoded:
-            self._send.send(msg)
+            self._sends[self.dp.route(tok.rid, tok.input_ids)].send(msg)
             now = time.perf_counter()
             state = ReqState(tok.rid, len(tok.input_ids), created=tok.received_time, group=group, probe=probe)
             self.rid_to_state[tok.rid] = state
@@ -169,9 +179,10 @@ class TokenizerManager:
 
     def abort_request(self, rid: str) -> bool:
         """Ask the scheduler to abort; its KV and request slot come back at its next step."""
-        if rid not in self.rid_to_state or self.dead:
+        replica = self.dp.replica_of(rid)
+        if rid not in self.rid_to_state or self.dead or replica is None:
             return False
-        self._send.send(ENCODER.encode(AbortReq(rid=rid)))
+        self._sends[replica].send(ENCODER.encode(AbortReq(rid=rid)))
         return True
 
     async def abort(self, rid: str, timeout: float = ABORT_CONFIRM_S) -> list[str]:
@@ -216,15 +227,25 @@ class TokenizerManager:
 
     # ---- control --------------------------------------------------------------------------------
     async def control(self, action: str, timeout: float = 30.0) -> ControlOutput:
+        """Ask every replica's scheduler; one answer (with data parallelism: ok if all are, their
+        data merged by merge_replica_info, each replica's under "replicas")."""
         if self.dead:
             raise ServerDeadError(self.dead)
-        req_id = uuid.uuid4().hex
-        future = self._control[req_id] = asyncio.get_running_loop().create_future()
-        self._send.send(ENCODER.encode(ControlReq(req_id=req_id, action=action)))
+        req_ids = [uuid.uuid4().hex for _ in self._sends]
+        loop = asyncio.get_running_loop()
+        futures = [self._control.setdefault(r, loop.create_future()) for r in req_ids]
+        for req_id, sock in zip(req_ids, self._sends):
+            sock.send(ENCODER.encode(ControlReq(req_id=req_id, action=action)))
         try:
-            return await asyncio.wait_for(future, timeout)
+            outs = await asyncio.wait_for(asyncio.gather(*futures), timeout)
         finally:
-            self._control.pop(req_id, None)
+            for req_id in req_ids:
+                self._control.pop(req_id, None)
+        if len(outs) == 1:
+            return outs[0]
+        failed = [o.message for o in outs if not o.ok]
+        data = merge_replica_info([o.data for o in outs]) if action == "get_info" else {}
+        return ControlOutput(req_id=req_ids[0], ok=not failed, data=data, message="; ".join(failed))
 
     # ---- the receive loop -----------------------------------------------------------------------
     async def handle_loop(self) -> None:
@@ -257,6 +278,7 @@ class TokenizerManager:
                 state.last_token_time = now
                 m.inc("generation_tokens_total", len(out.token_ids))
             if out.finish_reason is not None:
+                self.dp.finish(out.rid)
                 state.finished, state.finish_reason = True, out.finish_reason
                 state.done.set()
                 del self.rid_to_state[out.rid]
@@ -272,7 +294,8 @@ class TokenizerManager:
 
     def close(self) -> None:
         """Close the sockets (the process's exit does it in the server)."""
-        self._send.close(linger=0)
+        for sock in self._sends:
+            sock.close(linger=0)
         self._recv.close(linger=0)
 
     def fail_all(self, reason: str) -> None:
@@ -286,3 +309,16 @@ class TokenizerManager:
         for future in self._control.values():
             if not future.done():
                 future.set_exception(ServerDeadError(reason))
+
+
+def merge_replica_info(datas: list[dict[str, Any]]) -> dict[str, Any]:
+    """The replicas' get_info data as one: counts summed (the pool's too), token usage recomputed
+    from the summed pool, and each replica's own under "replicas"."""
+    merged: dict[str, Any] = {"replicas": datas}
+    for key in ("running", "waiting", "cached_tokens_in_tree"):
+        merged[key] = sum(d[key] for d in datas)
+    for key in ("pool", "req_slots"):
+        merged[key] = {k: sum(d[key][k] for d in datas) for k in datas[0][key]}
+    pool = merged["pool"]
+    merged["token_usage"] = (pool["protected"] + pool["request_owned"]) / pool["total"]
+    return merged
