@@ -95,8 +95,8 @@ class Engine:
         if self._followers is None:
             return
         self.scheduler.broadcast_inputs(stop=True)
+        destroy_tp_group(self.scheduler.tp)  # before the join: NCCL's teardown waits for every rank
         self._followers.join()
-        destroy_tp_group(self.scheduler.tp)
         self._followers = None
 
     def __enter__(self) -> Engine:
