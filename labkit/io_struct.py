@@ -64,22 +64,36 @@ class TraceChunk(msgspec.Struct, kw_only=True):
 
     events: list[StationEvent] = msgspec.field(default_factory=list)
     steps: list[StepRecord] = msgspec.field(default_factory=list)
+    rank_steps: list[StepRecord] = msgspec.field(default_factory=list)
     tree_events: list[TreeEvent] = msgspec.field(default_factory=list)
 
     @classmethod
     def drain(cls, tracer: Tracer | None) -> TraceChunk | None:
         """What `tracer` recorded since it was last drained (then cleared), or None if nothing."""
-        if tracer is None or not (tracer.events or tracer.steps or tracer.tree_events):
+        if tracer is None or not (tracer.events or tracer.steps or tracer.rank_steps or tracer.tree_events):
             return None
-        chunk = cls(events=list(tracer.events), steps=list(tracer.steps), tree_events=list(tracer.tree_events))
+        chunk = cls(
+            events=list(tracer.events),
+            steps=list(tracer.steps),
+            rank_steps=list(tracer.rank_steps),
+            tree_events=list(tracer.tree_events),
+        )
         tracer.clear()
         return chunk
+
+    def into(self, tracer: Tracer) -> None:
+        """Append this chunk's records to `tracer`'s."""
+        tracer.events.extend(self.events)
+        tracer.steps.extend(self.steps)
+        tracer.rank_steps.extend(self.rank_steps)
+        tracer.tree_events.extend(self.tree_events)
 
     def extend(self, other: TraceChunk | None) -> TraceChunk:
         """Append `other`'s records to this chunk's; returns self."""
         if other is not None:
             self.events.extend(other.events)
             self.steps.extend(other.steps)
+            self.rank_steps.extend(other.rank_steps)
             self.tree_events.extend(other.tree_events)
         return self
 

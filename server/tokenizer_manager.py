@@ -261,9 +261,7 @@ class TokenizerManager:
     def _dispatch(self, batch: BatchStrOutput) -> None:
         now = time.perf_counter()
         if batch.trace is not None and self.tracer is not None:
-            self.tracer.events.extend(batch.trace.events)
-            self.tracer.steps.extend(batch.trace.steps)
-            self.tracer.tree_events.extend(batch.trace.tree_events)
+            batch.trace.into(self.tracer)
         m = self.metrics
         for out in batch.outputs:
             state = self.rid_to_state.get(out.rid)

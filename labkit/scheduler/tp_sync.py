@@ -100,4 +100,4 @@ class SchedulerTPMixin:
             decoder = msgspec.msgpack.Decoder(TraceChunk)
             for data in chunks[1:]:
                 if data:
-                    self.tracer.steps.extend(decoder.decode(data).steps)
+                    self.tracer.rank_steps.extend(decoder.decode(data).steps)

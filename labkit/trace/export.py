@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from labkit.trace.recorder import Tracer
 
-Kind = Literal["stations", "steps", "tree"]
+Kind = Literal["stations", "steps", "tree", "ranks"]
 
 STATION_COLUMNS = ["rid", "station", "station_name", "start", "end", "duration", "step", "detail"]
 STEP_COLUMNS = [
@@ -25,11 +25,16 @@ STEP_COLUMNS = [
     "retracted", "blocked",
 ]  # fmt: skip
 TREE_COLUMNS = ["kind", "time", "node_id", "parent_id", "num_tokens", "tokens"]
+RANK_COLUMNS = [
+    "step", "rank", "start", "end", "duration", "forward_mode", "num_tokens", "comm_calls", "comm_seconds",
+    "sampled_digest",
+]  # fmt: skip
 POOL_FIELDS = ("free", "evictable", "protected", "request_owned")
 
 # Perfetto process ids: one track group per record type.
 PID_REQUESTS, PID_SCHEDULER = 1, 2
 TID_STEPS, TID_TREE = 1, 2
+TID_RANK0 = 100  # tensor parallelism: rank r's steps on thread TID_RANK0 + r (rank 0's are TID_STEPS)
 
 
 def to_dataframe(tracer: Tracer, kind: Kind = "stations") -> pd.DataFrame:
@@ -39,6 +44,8 @@ def to_dataframe(tracer: Tracer, kind: Kind = "stations") -> pd.DataFrame:
         column per scalar detail key (named `detail_<key>` if it collides with a fixed column).
     steps: StepRecord fields with duration, batch_size and the pool flattened into pool_<field>.
     tree: TreeEvent fields.
+    ranks: every tensor-parallel rank's steps (rank 0's and tracer.rank_steps), one row per rank and
+        step, with the time in collectives (comm_seconds, where they block) and the sampled-token digest.
     """
     import pandas as pd  # lazy: processes that only record never pay for pandas
 
@@ -88,7 +95,13 @@ def to_dataframe(tracer: Tracer, kind: Kind = "stations") -> pd.DataFrame:
         df = pd.DataFrame(rows, columns=TREE_COLUMNS)
         df["parent_id"] = df["parent_id"].astype("Int64")  # the root has no parent
         return df
-    raise ValueError(f"kind must be 'stations', 'steps' or 'tree', not {kind!r}")
+    if kind == "ranks":
+        rows = [
+            {**{c: getattr(s, c) for c in RANK_COLUMNS if hasattr(s, c)}, "duration": s.end - s.start}
+            for s in [*tracer.steps, *tracer.rank_steps]
+        ]
+        return pd.DataFrame(rows, columns=RANK_COLUMNS).sort_values(["step", "rank"], ignore_index=True)
+    raise ValueError(f"kind must be 'stations', 'steps', 'tree' or 'ranks', not {kind!r}")
 
 
 def _with_extra(columns: list[str], rows: list[dict[str, Any]]) -> list[str]:
@@ -103,7 +116,8 @@ def to_perfetto(tracer: Tracer) -> dict[str, Any]:
     Process "requests": one thread per rid, a complete ("X") event per station visit.
     Process "scheduler": thread "steps" with an "X" event per step (named by forward mode), thread
     "radix tree" with instant ("i") events for insert/split/evict, and counters ("C") "kv_pool"
-    (free/evictable/protected/request_owned) and "queue" (running/waiting) per step.
+    (free/evictable/protected/request_owned) and "queue" (running/waiting) per step. With tensor
+    parallelism, thread "steps, rank r" holds rank r's steps (rank 0's are "steps").
     """
     t0 = tracer.t0 or 0.0
 
@@ -131,20 +145,25 @@ def to_perfetto(tracer: Tracer) -> dict[str, Any]:
             "ts": us(e.start), "dur": max(0.0, us(e.end) - us(e.start)),
             "pid": PID_REQUESTS, "tid": tids[e.rid], "args": _jsonable(args),
         })  # fmt: skip
-    for s in tracer.steps:
+    ranks = sorted({s.rank for s in tracer.rank_steps})
+    out += [meta("thread_name", PID_SCHEDULER, TID_RANK0 + r, f"steps, rank {r}") for r in ranks]
+    for s in [*tracer.steps, *tracer.rank_steps]:
         pool = {f: getattr(s.pool, f) for f in POOL_FIELDS}
         args = {
             "step": s.step, "rids": s.rids, "extend_lens": s.extend_lens, "prefix_lens": s.prefix_lens,
             "num_tokens": s.num_tokens, "cache_hit_tokens": s.cache_hit_tokens,
             "pool": {"total": s.pool.total, **pool}, "running": s.running, "waiting": s.waiting,
             "chunked_rid": s.chunked_rid, "finished": s.finished, "retracted": s.retracted,
-            "blocked": s.blocked,
+            "blocked": s.blocked, "rank": s.rank, "comm_calls": s.comm_calls, "comm_seconds": s.comm_seconds,
+            "sampled_digest": s.sampled_digest,
         }  # fmt: skip
         out.append({
             "name": s.forward_mode, "cat": "step", "ph": "X", "ts": us(s.start),
-            "dur": max(0.0, us(s.end) - us(s.start)), "pid": PID_SCHEDULER, "tid": TID_STEPS,
-            "args": _jsonable(args),
+            "dur": max(0.0, us(s.end) - us(s.start)), "pid": PID_SCHEDULER,
+            "tid": TID_RANK0 + s.rank if s.rank else TID_STEPS, "args": _jsonable(args),
         })  # fmt: skip
+        if s.rank:
+            continue  # the pool and queue counters are rank 0's (every rank has the same)
         # Counters at the step's end: the pool as the step left it.
         for name, values in (("kv_pool", pool), ("queue", {"running": s.running, "waiting": s.waiting})):
             out.append({"name": name, "ph": "C", "ts": us(s.end), "pid": PID_SCHEDULER, "args": values})
@@ -186,7 +205,8 @@ def from_perfetto(trace: dict[str, Any] | str | Path) -> Tracer:
             tracer.events.append(StationEvent(args.pop("rid"), station, start, end, args.pop("step"), args))
         elif ev.get("cat") == "step":
             pool = PoolUsage(**args.pop("pool"))
-            tracer.steps.append(StepRecord(start=start, end=end, forward_mode=ev["name"], pool=pool, **args))
+            record = StepRecord(start=start, end=end, forward_mode=ev["name"], pool=pool, **args)
+            (tracer.rank_steps if record.rank else tracer.steps).append(record)
         elif ev.get("cat") == "tree":
             tracer.tree_events.append(TreeEvent(kind=ev["name"].removeprefix("tree "), time=start, **args))
     return tracer

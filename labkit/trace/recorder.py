@@ -58,6 +58,8 @@ class Tracer:
         self.max_tokens = max_tokens
         self.events: list[StationEvent] = []
         self.steps: list[StepRecord] = []
+        # Tensor parallelism: the step records of ranks 1.. (rank 0's are `steps`), gathered to rank 0.
+        self.rank_steps: list[StepRecord] = []
         self.tree_events: list[TreeEvent] = []
         self.record_snapshots = record_snapshots
         self.snapshots: list[StepSnapshot] = []
@@ -100,6 +102,7 @@ class Tracer:
         """Drop all records (keeps the tracer attached to its components)."""
         self.events.clear()
         self.steps.clear()
+        self.rank_steps.clear()
         self.tree_events.clear()
         self.snapshots.clear()
         self._last_nodes = {}

@@ -8,6 +8,7 @@ value of a cell), tables are pandas DataFrames.
     draw_journey(run, rid); journey_latency(run, rid)    # one request's ten stations, TTFT, per-token times
     draw_kv_pool(kv_snapshot(engine))          # request-to-token table and page pool, live
     draw_stations_by_process(from_perfetto("trace.json"))   # a server trace: stations by process
+    draw_rank_timeline(run)                    # tensor parallelism: every rank's steps, time in collectives
     StationStepper(run, rid).show(); RunReplayer(run).show()   # ipywidgets, static fallback
 
 How the tree is rebuilt per step: the scheduler's trace hook records a compact TreeSnapshot (nodes
@@ -27,6 +28,7 @@ from labkit.viz.kvpool import (
 from labkit.viz.memory import draw_memory, memory_frame
 from labkit.viz.policies import draw_policy_comparison
 from labkit.viz.processes import draw_stations_by_process
+from labkit.viz.ranks import draw_rank_timeline, rank_steps
 from labkit.viz.run import Run
 from labkit.viz.timeline import batch_frame, cells_frame, draw_timeline, draw_timelines
 from labkit.viz.tree import draw_radix_tree
@@ -57,7 +59,8 @@ _register_png_formatter()
 
 __all__ = [
     "Run", "RunReplayer", "StationStepper", "batch_frame", "cells_frame", "describe_request", "draw_journey",
-    "draw_kv_pool", "draw_memory", "draw_policy_comparison", "draw_radix_tree", "draw_stations_by_process",
-    "draw_timeline", "draw_timelines", "draw_waiting", "fragmentation", "journey_latency", "kv_snapshot",
-    "memory_frame", "page_owners", "req_to_token_table", "waiting_frame", "waiting_table", "widget_frontend",
+    "draw_kv_pool", "draw_memory", "draw_policy_comparison", "draw_radix_tree", "draw_rank_timeline",
+    "draw_stations_by_process", "draw_timeline", "draw_timelines", "draw_waiting", "fragmentation",
+    "journey_latency", "kv_snapshot", "memory_frame", "page_owners", "rank_steps", "req_to_token_table",
+    "waiting_frame", "waiting_table", "widget_frontend",
 ]  # fmt: skip

@@ -182,3 +182,17 @@ def test_a_tp_size_the_model_cannot_split_is_refused_at_start():
     )
     assert out.returncode != 0
     assert "tp_size 3 does not fit the model" in out.stderr + out.stdout
+
+
+def test_a_tensor_parallel_server_trace_has_a_step_track_per_rank(tmp_path):
+    from labkit.trace.export import from_perfetto
+
+    path = tmp_path / "trace.json"
+    server = start_server(*TINY, "--tp-size", "2", "--trace-file", str(path))
+    try:
+        _generate(server, [1, 2, 3, 4], 5, "traced")
+    finally:
+        assert server.stop() == 0
+    tracer = from_perfetto(path)
+    assert tracer.rank_steps and {s.rank for s in tracer.rank_steps} == {1}
+    assert {s.step for s in tracer.rank_steps} == {s.step for s in tracer.steps}

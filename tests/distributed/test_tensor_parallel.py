@@ -128,3 +128,32 @@ def test_tp3_on_the_embedded_model_gives_the_tokens_of_tp1():
         got = dict(enumerate(engine.generate(prompts, params)))
     _assert_same(ref, got)
     assert ref[0]["text"] == got[0]["text"]
+
+
+def test_every_rank_s_steps_are_traced_exported_per_rank_and_drawn(tmp_path):
+    from matplotlib.collections import PolyCollection
+
+    from labkit.trace.export import from_perfetto, to_dataframe
+    from labkit.viz import draw_rank_timeline
+
+    with Engine(model_path="tiny-qwen3", load_format="dummy", tp_size=2, enable_trace=True, max_total_tokens=2048) as e:
+        e.generate(input_ids=_workload(256)[:4], sampling_params={"max_new_tokens": 6, "ignore_eos": True})
+        tracer = e.tracer
+    assert [s.step for s in tracer.rank_steps] == [s.step for s in tracer.steps]
+    assert {s.rank for s in tracer.rank_steps} == {1} and {s.rank for s in tracer.steps} == {0}
+    busy = [s for s in tracer.steps if s.forward_mode != "IDLE"]
+    # Per layer one all-reduce after attention and one after the MLP, one for the embedding, one gather.
+    layers = e.model_runner.hf_config.num_hidden_layers
+    assert all(s.comm_calls == 2 * layers + 2 for s in busy) and all(s.comm_seconds > 0 for s in busy)
+    ranks = to_dataframe(tracer, "ranks")
+    assert list(ranks["rank"].unique()) == [0, 1] and len(ranks) == 2 * len(tracer.steps)
+    trace = tracer.save_perfetto(tmp_path / "tp.json")
+    again = from_perfetto(trace)
+    assert [(s.step, s.rank, s.comm_calls) for s in again.rank_steps] == [
+        (s.step, s.rank, s.comm_calls) for s in tracer.rank_steps
+    ]
+    assert "steps, rank 1" in trace.read_text()
+    fig = draw_rank_timeline(again)
+    gids = {c.get_gid() for c in fig.axes[0].collections if isinstance(c, PolyCollection)}
+    assert {f"rank{r}|{s.step}" for r in (0, 1) for s in busy} <= gids
+    assert f"rank1|{busy[0].step}|comm" in gids
