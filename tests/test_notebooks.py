@@ -48,6 +48,7 @@ def test_the_teaching_notebooks_are_there():
         "04_paged_memory",
         "05_scheduling_policies",
         "06_serving",
+        "08_parallelism",
     } <= names
 
 

@@ -72,24 +72,29 @@ def test_dp2_completes_every_request_of_a_mixed_workload_exactly_once():
         assert server.stop() == 0
 
 
-def _hit_rate(policy: str) -> float:
-    """Cached prompt tokens / prompt tokens of a shared-prefix workload sent one by one to --dp-size 2."""
+def _hit_rate(policy: str) -> tuple[float, list[int]]:
+    """Cached prompt tokens / prompt tokens of a shared-prefix workload sent 4 at a time to --dp-size 2,
+    and the requests each replica got."""
     rng = random.Random(1)
     groups = [[rng.randrange(256) for _ in range(96)] for _ in range(6)]
     prompts = [g + [rng.randrange(256) for _ in range(8)] for g in groups for _ in range(5)]
     rng.shuffle(prompts)
     server = start_server(*TINY, "--dp-size", "2", "--load-balance-method", policy)
     try:
-        outs = [_generate(server, p, 2, f"{policy}-{i}") for i, p in enumerate(prompts)]
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda i: _generate(server, prompts[i], 8, f"{policy}-{i}"), range(len(prompts))))
+        routed = server.info()["dp_routed_requests"]
     finally:
         assert server.stop() == 0
-    return sum(o["meta_info"]["cached_tokens"] for o in outs) / sum(map(len, prompts))
+    return sum(o["meta_info"]["cached_tokens"] for o in outs) / sum(map(len, prompts)), routed
 
 
 def test_cache_aware_routing_reaches_a_higher_prefix_hit_rate_than_round_robin():
-    rates = {policy: _hit_rate(policy) for policy in ("round_robin", "cache_aware")}
-    print(f"prefix hit rate on the shared-prefix workload, dp_size 2: {rates}")
-    assert rates["cache_aware"] > rates["round_robin"] + 0.05, rates
+    results = {policy: _hit_rate(policy) for policy in ("round_robin", "cache_aware")}
+    print(f"prefix hit rate and requests per replica on the shared-prefix workload, dp_size 2: {results}")
+    rates = {policy: rate for policy, (rate, _) in results.items()}
+    assert rates["cache_aware"] > rates["round_robin"] + 0.05, results
+    assert min(results["cache_aware"][1]) >= 5, results  # both replicas work: not one replica for all
 
 
 def test_a_killed_worker_rank_fails_requests_in_flight_and_takes_the_server_down():
