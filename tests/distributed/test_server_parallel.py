@@ -46,7 +46,7 @@ def _wait_idle(server: ServerProcess) -> dict:
         time.sleep(0.2)
 
 
-def test_dp2_completes_every_request_of_a_mixed_workload_exactly_once():
+def test_dp2_of_tp2_completes_every_request_of_a_mixed_workload_exactly_once():
     rng = random.Random(0)
     work = [([rng.randrange(256) for _ in range(rng.randrange(1, 90))], rng.randrange(1, 24)) for _ in range(24)]
     engine = Engine(model_path="tiny-llama", load_format="dummy", max_total_tokens=4096)
@@ -57,13 +57,14 @@ def test_dp2_completes_every_request_of_a_mixed_workload_exactly_once():
             sampling_params=[{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for _, n in work],
         )
     ]
-    server = start_server(*TINY, "--dp-size", "2", "--load-balance-method", "shortest_queue")
+    server = start_server(*TINY, "--dp-size", "2", "--tp-size", "2", "--load-balance-method", "shortest_queue")
     try:
         before = sum(server.info()["dp_routed_requests"])
         with ThreadPoolExecutor(8) as pool:
             outs = list(pool.map(lambda i: _generate(server, work[i][0], work[i][1], f"r{i}"), range(len(work))))
         assert [o["meta_info"]["id"] for o in outs] == [f"r{i}" for i in range(len(work))]
-        assert [o["output_ids"] for o in outs] == expected  # both replicas hold the same model
+        assert [o["output_ids"] for o in outs] == expected  # each replica (two ranks) computes as one device
+        assert len(info_processes := server.info()["processes"]) == 5, info_processes  # 2 x 2 ranks + detokenizer
         info = _wait_idle(server)
         routed = info["dp_routed_requests"]
         assert sum(routed) - before == len(work) and min(routed) > 0, routed
@@ -201,3 +202,32 @@ def test_a_tensor_parallel_server_trace_has_a_step_track_per_rank(tmp_path):
     tracer = from_perfetto(path)
     assert tracer.rank_steps and {s.rank for s in tracer.rank_steps} == {1}
     assert {s.step for s in tracer.rank_steps} == {s.step for s in tracer.steps}
+
+
+def test_aborts_flush_info_and_metrics_cover_every_replica():
+    server = start_server(*TINY, "--dp-size", "2", "--load-balance-method", "round_robin", "--enable-metrics")
+    body = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    try:
+        streams, replicas = [], []
+        for rid in ("a", "b"):
+            response = httpx.stream("POST", server.url + "/generate", json={**body, "rid": rid}, timeout=60)
+            streams.append((response, response.__enter__().iter_lines()))
+            assert next(line for line in streams[-1][1] if line.startswith("data: "))
+        info = server.info()
+        replicas = [r["running"] for r in info["replicas"]]
+        assert replicas == [1, 1], info  # one on each replica
+        assert server.post("/flush_cache").status_code == 400  # refused while requests run, on any replica
+        for rid in ("a", "b"):
+            assert server.post("/abort_request", {"rid": rid}).json() == {"aborted": [rid]}
+        for response, lines in streams:
+            rest = [line for line in lines if line]
+            assert rest[-1] == "data: [DONE]" and '"abort"' in "".join(rest), rest[-3:]
+            response.__exit__(None, None, None)
+        info = _wait_idle(server)
+        assert all(r["pool"]["request_owned"] == 0 for r in info["replicas"])
+        assert server.post("/flush_cache").status_code == 200
+        assert all(r["pool"]["evictable"] == 0 for r in server.info()["replicas"])
+        metrics = server.get("/metrics").text
+        assert "num_running_reqs 0" in metrics.replace(".0", "") and "aborted_requests_total" in metrics
+    finally:
+        assert server.stop() == 0

@@ -157,3 +157,30 @@ def test_every_rank_s_steps_are_traced_exported_per_rank_and_drawn(tmp_path):
     gids = {c.get_gid() for c in fig.axes[0].collections if isinstance(c, PolyCollection)}
     assert {f"rank{r}|{s.step}" for r in (0, 1) for s in busy} <= gids
     assert f"rank1|{busy[0].step}|comm" in gids
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-llama"])
+def test_tp2_loads_sliced_hf_checkpoints_with_biases_and_an_untied_head(name, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from labkit.model_loader.loader import load_config
+
+    config = load_config(name)
+    config.tie_word_embeddings = False
+    hf = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # HF zero-inits biases: randomize everything so every slice matters
+        for pname, p in hf.named_parameters():
+            p.copy_(
+                1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+                if "norm" in pname
+                else 0.2 * torch.randn(p.shape, generator=gen)
+            )
+    hf.save_pretrained(tmp_path)
+    prompts = _workload(config.vocab_size, seed=3)[:5]
+    params = [{"max_new_tokens": 10, "temperature": 0, "return_logprob": True, "top_logprobs_num": TOP}] * len(prompts)
+    ref, _ = _run(Engine(model_path=str(tmp_path), max_total_tokens=2048), prompts, params)
+    with Engine(model_path=str(tmp_path), max_total_tokens=2048, tp_size=2) as engine:
+        got, _ = _run(engine, prompts, params)
+    _assert_same(ref, got)
