@@ -7,7 +7,7 @@ import asyncio
 import hmac
 import time
 from contextlib import asynccontextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -143,7 +143,7 @@ def create_app(runtime: AppRuntime) -> FastAPI:
             manager,
             [
                 GenerateReqInput(
-                    text=req.text, input_ids=req.input_ids, sampling_params=req.sampling_params, rid=req.rid
+                    text=req.text, input_ids=req.input_ids, sampling_params=req.labkit_sampling_params(), rid=req.rid
                 )
             ],
         )
@@ -161,6 +161,7 @@ def create_app(runtime: AppRuntime) -> FastAPI:
                     "cached_tokens": choice.cached_tokens,
                     **finish_fields(choice.finish),
                     "e2e_latency": time.perf_counter() - state.created,
+                    **native_logprobs(choice),
                 },
             }
 
@@ -237,3 +238,15 @@ async def _control(manager: TokenizerManager, action: str):
         return await manager.control(action)
     except (ServerDeadError, asyncio.TimeoutError) as e:
         raise APIError(503, f"the scheduler did not answer: {e or 'timeout'}", code="server_unavailable") from None
+
+
+def native_logprobs(choice: Choice) -> dict[str, Any]:
+    """SGLang's /generate logprob fields, when they were asked for: per output token (logprob,
+    token id, None) and its top alternatives in the same shape (the None is SGLang's token text,
+    which it only fills with return_text_in_logprobs)."""
+    if not choice.logprobs:
+        return {}
+    return {
+        "output_token_logprobs": [[lp, tok, None] for tok, lp, _ in choice.logprobs],
+        "output_top_logprobs": [[[lp, t, None] for t, lp in (top or [])] for _, _, top in choice.logprobs],
+    }

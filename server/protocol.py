@@ -7,14 +7,36 @@ valid JSON but not Unicode): neither could cross to the scheduler."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from labkit.sampling.sampling_params import INT64_MAX, INT64_MIN, MAX_TOP_LOGPROBS
 
 Int = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
+
+
+def only_neutral(is_neutral: Callable[[Any], bool], reason: str) -> AfterValidator:
+    """A field clients send with a neutral value (SGLang's and vLLM's benchmark clients do): accepted
+    with that value; any other asks for something labkit does not do, a 400 saying so."""
+
+    def check(value: Any) -> Any:
+        if not is_neutral(value):
+            raise PydanticCustomError("unsupported_value", reason)
+        return value
+
+    return AfterValidator(check)
+
+
+BestOf = Annotated[
+    Int | None, only_neutral(lambda v: v in (None, 1), "labkit samples each choice once: best_of must be 1")
+]
+LoraPath = Annotated[
+    str | list[str | None] | None,
+    only_neutral(lambda v: not v or v == [None] * len(v), "labkit serves no LoRA adapters: lora_path must be empty"),
+]
 
 
 def _lone_surrogate_at(value: Any) -> tuple[str | int, ...] | None:
@@ -86,6 +108,7 @@ class _SamplingRequest(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    lora_path: LoraPath = None  # sent by SGLang's bench_serving for its vLLM-style LoRA convention
     # labkit extras
     top_k: Int = -1
     min_p: float = 0.0
@@ -137,6 +160,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[Int] | list[list[Int]]
     logprobs: Int | None = Field(default=None, ge=0, le=5)
     echo: Literal[False] = False
+    best_of: BestOf = None
 
     def prompts(self) -> list[dict[str, Any]]:
         """Each prompt as GenerateReqInput keywords (text or input_ids)."""
@@ -167,6 +191,25 @@ class GenerateRequest(_Body):
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     rid: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: Int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
+    logprob_start_len: Annotated[
+        Int, only_neutral(lambda v: v == -1, "prompt logprobs are not supported: logprob_start_len must be -1")
+    ] = -1
+    token_ids_logprob: Annotated[
+        list[Int] | None, only_neutral(lambda v: v is None, "logprobs of chosen token ids are not supported")
+    ] = None
+    lora_path: LoraPath = None
+    return_routed_experts: Annotated[
+        bool,
+        only_neutral(lambda v: not v, "labkit's models have no experts to report: return_routed_experts must be false"),
+    ] = False
+
+    def labkit_sampling_params(self) -> dict[str, Any]:
+        """sampling_params with the top-level logprob switches (SGLang puts them there) folded in."""
+        if not self.return_logprob:
+            return self.sampling_params
+        return {**self.sampling_params, "return_logprob": True, "top_logprobs_num": self.top_logprobs_num}
 
 
 class AbortRequest(_Body):
