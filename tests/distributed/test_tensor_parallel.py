@@ -184,3 +184,15 @@ def test_tp2_loads_sliced_hf_checkpoints_with_biases_and_an_untied_head(name, tm
     with Engine(model_path=str(tmp_path), max_total_tokens=2048, tp_size=2) as engine:
         got, _ = _run(engine, prompts, params)
     _assert_same(ref, got)
+
+
+def test_more_ranks_on_a_node_than_gpus_is_a_clear_error(monkeypatch):
+    import torch
+
+    from labkit.model_executor.model_runner import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda", 1) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="needs GPU 2, but 2 are visible"):
+        resolve_device("cuda", 2)
+    assert resolve_device("cpu", 5) == torch.device("cpu")  # CPU ranks share the one device
