@@ -80,7 +80,7 @@ def test_every_rank_samples_the_same_tokens_with_temperature_and_seeds():
     ref, _ = _run(Engine(**common), prompts, params)
     with Engine(**common, tp_size=2) as engine:
         got, _ = _run(engine, prompts, params)
-        records = engine.tracer.steps
+        records = [*engine.tracer.steps, *engine.tracer.rank_steps]
     by_step: dict[int, dict[int, int]] = {}
     for rec in records:
         by_step.setdefault(rec.step, {})[rec.rank] = rec.sampled_digest
