@@ -78,6 +78,12 @@ def test_notebook_runs_top_to_bottom(path, kernel_spec_dir):
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     start = time.perf_counter()
-    client.execute(env=env)  # raises CellExecutionError with the cell and traceback on failure
+    try:
+        client.execute(env=env)  # raises CellExecutionError with the cell and traceback on failure
+    finally:
+        # nbclient leaves a kernel it did not start (we pass km) running: each one kept its notebook's
+        # engines in memory until the test session ended, and together they ran CI out of memory.
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
     elapsed = time.perf_counter() - start
     assert elapsed < NOTEBOOK_BUDGET, f"{path.name} took {elapsed:.0f} s"
