@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-DEFAULT_DIST_TIMEOUT_S = 120.0  # rendezvous: how long rank 0 waits for the others and they for it
 # Followers wait in a collective for rank 0's next step, which a notebook may take hours to ask for;
 # a rank that dies is noticed from its closed connections (and the server's watcher), not by this.
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)

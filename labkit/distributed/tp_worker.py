@@ -11,9 +11,12 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from labkit.config import EngineConfig, ranks_per_node
-from labkit.distributed.parallel_state import destroy_tp_group, init_tp_group
+from labkit.distributed.parallel_state import TPGroup, destroy_tp_group, init_tp_group
 from labkit.model_executor.model_runner import resolve_device
+from labkit.models.registry import get_model_class
 from labkit.scheduler.scheduler import Scheduler
 from labkit.trace.recorder import Tracer
 
@@ -29,18 +32,13 @@ def free_local_addr() -> str:
 
 
 def check_tp_shapes(hf_config: Any, tp_size: int) -> None:
-    """ValueError, before any process starts, if the model's heads or MLP cannot be split tp_size ways
-    (the parallel layers check the same as they are built)."""
-    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    problems = []
-    if heads % tp_size:
-        problems.append(f"{heads} query heads")
-    if kv_heads % tp_size and tp_size % kv_heads:
-        problems.append(f"{kv_heads} KV heads (neither divisible by tp_size nor dividing it)")
-    if hf_config.intermediate_size % tp_size:
-        problems.append(f"MLP width {hf_config.intermediate_size}")
-    if problems:
-        raise ValueError(f"tp_size {tp_size} does not fit the model: it cannot split its {', '.join(problems)}")
+    """ValueError, before any process starts, if the model cannot be split tp_size ways: the model is
+    built on the meta device (no memory) as rank 0 would build it, so its parallel layers check."""
+    with torch.device("meta"):
+        try:
+            get_model_class(hf_config.architectures)(hf_config, torch.float32, TPGroup(rank=0, size=tp_size))
+        except ValueError as e:
+            raise ValueError(f"tp_size {tp_size} does not fit the model: {e}") from None
 
 
 def run_tp_follower(config: EngineConfig, rank: int, init_addr: str) -> None:

@@ -41,6 +41,7 @@ class StepPacket(msgspec.Struct, kw_only=True):
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(StepPacket)
+_CHUNK_DECODER = msgspec.msgpack.Decoder(TraceChunk)
 REPLAYED_CALLS = ("flush_cache", "reset", "set_policy")
 
 
@@ -97,7 +98,6 @@ class SchedulerTPMixin:
             mine = _ENCODER.encode(TraceChunk(steps=drained.steps)) if drained is not None else b""
         chunks = self.tp.gather_bytes(mine)
         if self.tp.is_leader:
-            decoder = msgspec.msgpack.Decoder(TraceChunk)
             for data in chunks[1:]:
                 if data:
-                    self.tracer.rank_steps.extend(decoder.decode(data).steps)
+                    self.tracer.rank_steps.extend(_CHUNK_DECODER.decode(data).steps)
