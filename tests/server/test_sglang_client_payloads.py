@@ -1,8 +1,8 @@
 """The request bodies SGLang's benchmark client (`sglang.bench_serving`, sglang 0.5.23,
 `sglang/benchmark/serving.py`) sends with its three OpenAI/native backends are served, and its way of
 reading the streams finds tokens; fields it sends with neutral values are accepted, other values of
-them are a 400 naming the field. (The client itself drags CUDA torch in through sglang.srt, so the
-payloads are rebuilt here as that file builds them.)"""
+them are a 400 naming the field. The payloads are rebuilt here as that file builds them, to pin each
+field down; test_sglang_bench_serving.py runs the client itself."""
 
 from __future__ import annotations
 
