@@ -95,6 +95,13 @@ class EngineConfig:
             "help": "host:port where rank 0 meets the other ranks (torch.distributed); default: a free local port"
         },
     )
+    disable_custom_all_reduce: bool = field(
+        default=False,
+        metadata={
+            "help": "all-reduce through NCCL only (by default small CUDA all-reduces of one machine's ranks go "
+            "through symmetric memory, which the decode CUDA graphs need with tp_size > 1)"
+        },
+    )
     dist_timeout: float = field(
         default=120.0, metadata={"help": "seconds the ranks wait for each other at start before giving up"}
     )

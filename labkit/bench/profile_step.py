@@ -27,6 +27,7 @@ from labkit import Engine
 
 # First match wins; kernel names from cuBLAS/CUTLASS (gemm), labkit.kernels (Triton), FlashInfer and torch.
 GROUPS = [
+    ("collectives", r"nccl|one_shot|two_shot|all_reduce|AllReduce|AllGather"),
     ("matmul", r"gemm|nvjet|cutlass|xmma|splitK|cublas"),
     ("attention, decode", r"_decode_stage|BatchDecode"),
     ("attention, extend", r"_extend_kernel|BatchPrefill"),

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from labkit.distributed.custom_all_reduce import CustomAllReduce, available_in_this_process
+
 # Followers wait in a collective for rank 0's next step, which a notebook may take hours to ask for;
 # a rank that dies is noticed from its closed connections (and the server's watcher), not by this.
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
@@ -45,19 +47,40 @@ class TPGroup:
     group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
     stats: CommStats = field(default_factory=CommStats)
+    custom_all_reduce: CustomAllReduce | None = None  # small CUDA tensors, one machine (enable_custom_all_reduce)
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place; returns it."""
+        """The sum of `x` over the ranks: `x` itself, summed in place (NCCL, gloo), or a new tensor (the
+        custom all-reduce). Use the returned tensor."""
         if self.size == 1:
             return x
         start = time.perf_counter()
-        dist.all_reduce(x, group=self.group)
+        if self.custom_all_reduce is not None and self.custom_all_reduce.can_run(x):
+            x = self.custom_all_reduce.all_reduce(x)
+        else:
+            dist.all_reduce(x, group=self.group)
         self._count(x, start)
         return x
+
+    def enable_custom_all_reduce(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Collective: route small all-reduces of `dtype` through CustomAllReduce. Returns why not
+        (None when enabled): it needs CUDA and every rank on this machine."""
+        if self.size == 1 or self.group is None or device.type != "cuda":
+            return "it needs CUDA and more than one rank"
+        # Rank 0 decides for all: only it may have made one before (the other ranks are new processes).
+        refusal = "" if available_in_this_process() else "rank 0's process already made one (custom_all_reduce.py)"
+        refusal = self.broadcast_bytes(refusal.encode() if self.is_leader else None).decode()
+        if refusal:
+            return refusal
+        try:
+            self.custom_all_reduce = CustomAllReduce(self.group, device, dtype)
+        except RuntimeError as e:
+            return f"symmetric memory is not available: {e}"
+        return None
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """The ranks' `x` concatenated along `dim`, in rank order (same on every rank)."""
@@ -175,5 +198,6 @@ def _device_id(device: torch.device) -> torch.device | None:
 
 def destroy_tp_group(tp: TPGroup) -> None:
     """Leave the group (the process can join another one afterwards)."""
+    tp.custom_all_reduce = None
     if tp.size > 1 and dist.is_initialized():
         dist.destroy_process_group()

@@ -15,7 +15,10 @@ single call. A graph replays fixed addresses and fixed shapes, so:
 - the attention backend keeps its per-step metadata in buffers of its own, filled in place by its
   `init_forward_metadata_replay_cuda_graph` hook (see AttentionBackend);
 - the logits of the real rows are copied out of the graph's output, so a later replay cannot
-  overwrite what the caller holds. Sampling runs outside the graph, eagerly.
+  overwrite what the caller holds. Sampling runs outside the graph, eagerly;
+- with tensor parallelism the graph's all-reduces go through the custom all-reduce (NCCL stays out
+  of the graph, see labkit/distributed/custom_all_reduce.py) and the graph outputs each rank's
+  vocabulary range: the logits are gathered after the replay, eagerly.
 
 Extend and mixed forwards, and decode batches larger than the largest captured size, run eagerly.
 """
@@ -26,7 +29,8 @@ import bisect
 import gc
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -70,6 +74,8 @@ class CudaGraphRunner:
         self.max_bs = self.batch_sizes[-1]
         self.num_replays = 0  # decode forwards served by this runner (tests and benchmarks read it)
         self.num_padded_rows = 0  # padding rows run in those forwards
+        self.local_logits = model_runner.tp.size > 1  # the graphs output this rank's vocabulary range
+        self.gather_logits = cast(Callable[[torch.Tensor], torch.Tensor], model_runner.model.gather_logits)
         # Raises NotImplementedError when the backend cannot be captured (the caller handles it).
         self.attn_backend.init_cuda_graph_state(self.max_bs)
         with torch.inference_mode():
@@ -112,7 +118,7 @@ class CudaGraphRunner:
         )
 
     def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
-        return self.decode_model(fb.batch_size)(fb.input_ids, fb.positions, fb)
+        return self.decode_model(fb.batch_size)(fb.input_ids, fb.positions, fb, gather_logits=not self.local_logits)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -181,4 +187,4 @@ class CudaGraphRunner:
             out = self._run_model(static)
         self.num_replays += 1
         self.num_padded_rows += bs - n
-        return out[:n].clone()
+        return self.gather_logits(out[:n]) if self.local_logits else out[:n].clone()

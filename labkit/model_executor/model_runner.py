@@ -143,6 +143,7 @@ class ModelRunner:
             )
         )
         self.sampler = Sampler(seed=self._shared_sampler_seed())
+        self.custom_all_reduce_off = self._enable_custom_all_reduce()
         # Shapes specialize at first and turn dynamic on the first recompile (torch's default).
         self.compiled_model = torch.compile(self.model) if config.enable_torch_compile else None
         self.cuda_graph_runner: CudaGraphRunner | None = self._build_cuda_graph_runner()
@@ -152,8 +153,9 @@ class ModelRunner:
         them (triton; torch_native's per-request Python is not capturable). Silently none on CPU."""
         if self.device.type != "cuda" or self.config.disable_cuda_graph:
             return None
-        if self.tp.size > 1:  # capturing around the all-reduce did not finish on two H200s (docs/benchmarks.md)
-            logger.warning("CUDA graphs are off with tp_size > 1 (not supported yet); decode runs eagerly")
+        if self.tp.size > 1 and self.tp.custom_all_reduce is None:  # NCCL stays out of graphs (custom_all_reduce.py)
+            why = self.custom_all_reduce_off
+            logger.warning("CUDA graphs off: tp_size > 1 without the custom all-reduce (%s)", why)
             return None
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
         try:
@@ -161,6 +163,20 @@ class ModelRunner:
         except NotImplementedError as e:
             logger.info("CUDA graphs off: %s", e)
             return None
+
+    def _enable_custom_all_reduce(self) -> str | None:
+        """Small all-reduces through CustomAllReduce when the ranks share a machine's GPUs; returns why
+        not (None when on). Collective: every rank decides the same from the same config."""
+        if self.tp.size == 1 or self.device.type != "cuda":
+            return "tp_size 1 or not CUDA"
+        if self.config.disable_custom_all_reduce:
+            return "--disable-custom-all-reduce"
+        if self.config.nnodes > 1:
+            return "the ranks are on several machines"
+        why = self.tp.enable_custom_all_reduce(self.device, self.dtype)
+        if why:
+            logger.warning("custom all-reduce off: %s", why)
+        return why
 
     def _shared_sampler_seed(self) -> int | None:
         """Tensor-parallel ranks must draw the same noise: rank 0's random seed, for all. A single

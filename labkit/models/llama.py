@@ -141,10 +141,22 @@ class LlamaForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor()
         self.to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch, gather_logits: bool = True
+    ) -> torch.Tensor:
+        """gather_logits=False returns this rank's vocabulary range only: the decode CUDA graphs
+        gather after their replay (gather_logits()), keeping NCCL out of the graph."""
         hidden = self.model(input_ids, positions, forward_batch)
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return head.gather_logits(self.logits_processor(hidden, head.weight, forward_batch))
+        logits = self.logits_processor(hidden, self.head.weight, forward_batch)
+        return self.gather_logits(logits) if gather_logits else logits
+
+    @property
+    def head(self) -> VocabParallelEmbedding:
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
+
+    def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """The full vocabulary's logits from every rank's range (the same tensor with one rank)."""
+        return self.head.gather_logits(local_logits)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
