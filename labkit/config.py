@@ -22,6 +22,13 @@ class EngineConfig:
     load_format: str = field(
         default="auto", metadata={"help": "auto: weights from --model-path; dummy: random weights for a config"}
     )
+    tokenizer_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "HF tokenizer directory (default: the model's); lets random-weight models take text, if "
+            "its vocabulary fits the model's"
+        },
+    )
     dtype: str = field(
         default="auto", metadata={"help": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16"}
     )

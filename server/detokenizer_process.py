@@ -68,7 +68,7 @@ class DetokenizerLoop:
 def run_detokenizer_process(args: ServerArgs, ports: PortArgs, ready: Connection, parent_pid: int) -> None:
     init_child("detokenizer", args.log_level)
     try:
-        _, tokenizer = model_dir_and_tokenizer(args.engine.model_path, args.engine.load_format)
+        _, tokenizer = model_dir_and_tokenizer(args.engine)
         loop = DetokenizerLoop.create(args.engine, ports, tokenizer)
     except Exception as e:
         traceback.print_exc()

@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in remove_stale_ipc_dirs():
         logger.info("removed the socket directory of a server that is gone: %s", path)
     # Before the children start: the embedded model's GGUF is converted here, once.
-    _, tokenizer = model_dir_and_tokenizer(args.engine.model_path, args.engine.load_format)
+    _, tokenizer = model_dir_and_tokenizer(args.engine)
     launcher = Launcher(args)
     launcher.start_children()
     runtime = ServerRuntime(args, launcher, tokenizer, model_name_of(args))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -15,6 +15,9 @@ from labkit.distributed.parallel_state import TPGroup
 from labkit.model_loader.embedded import embedded_model_dir
 from labkit.model_loader.weight_utils import full_shape_of, load_param
 from labkit.models.registry import get_model_class
+
+if TYPE_CHECKING:
+    from labkit.config import EngineConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "data" / "configs"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -56,13 +59,23 @@ def load_tokenizer(model_dir: str | Path | None) -> Any | None:
     return AutoTokenizer.from_pretrained(path)
 
 
-def model_dir_and_tokenizer(model_path: str | None, load_format: str) -> tuple[Path | None, Any | None]:
-    """The model's HF directory (the embedded GGUF is converted once) and its tokenizer; (None, None)
-    for dummy weights, which have neither."""
-    if load_format == "dummy":
-        return None, None
-    model_dir = resolve_model_dir(model_path)
-    return model_dir, load_tokenizer(model_dir)
+def model_dir_and_tokenizer(config: EngineConfig) -> tuple[Path | None, Any | None]:
+    """The model's HF directory (the embedded GGUF is converted once; None for dummy weights) and its
+    tokenizer: the one under config.tokenizer_path if given (a random-weight model borrows one that
+    way), else the model directory's (None for dummy weights)."""
+    model_dir = None if config.load_format == "dummy" else resolve_model_dir(config.model_path)
+    if config.tokenizer_path is None:
+        return model_dir, load_tokenizer(model_dir) if model_dir is not None else None
+    tokenizer = load_tokenizer(Path(config.tokenizer_path).expanduser())
+    if tokenizer is None:
+        raise FileNotFoundError(
+            f"tokenizer_path {config.tokenizer_path!r} is not a directory with a tokenizer "
+            f"({' or '.join(_TOKENIZER_FILES)})"
+        )
+    vocab_size = load_config(config.model_path).vocab_size
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"the tokenizer's {len(tokenizer)} tokens do not fit the model's vocabulary of {vocab_size}")
+    return model_dir, tokenizer
 
 
 def iter_safetensors(model_dir: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:

@@ -114,7 +114,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         """Load the tokenizer and model (this rank's share over `tp`), size the pools, and build the
         scheduler around them. The Engine, its tensor-parallel workers and the server's scheduler
         processes all start here."""
-        model_dir, tokenizer = model_dir_and_tokenizer(config.model_path, config.load_format)
+        model_dir, tokenizer = model_dir_and_tokenizer(config)
         return cls(config, ModelRunner(config, tokenizer, model_dir, tp), tokenizer, tracer)
 
     # ---- lifecycle ---------------------------------------------------------------------------

@@ -27,7 +27,7 @@ def apply_chat_template(tokenizer, messages: Any) -> str:
     ):
         raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
     if tokenizer is None:
-        raise ValueError("this model has no tokenizer (dummy weights): pass input_ids")
+        raise ValueError("this model has no tokenizer (dummy weights): pass input_ids, or give tokenizer_path")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -47,7 +47,7 @@ def encode_prompt(
             raise ValueError("input_ids must be a list of ints")
         return None, list(input_ids)
     if tokenizer is None:
-        raise ValueError("this model has no tokenizer (dummy weights): pass input_ids")
+        raise ValueError("this model has no tokenizer (dummy weights): pass input_ids, or give tokenizer_path")
     if messages is not None:
         text = apply_chat_template(tokenizer, messages)
         # The template already holds the special tokens (BOS and the turn markers).
