@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from html import escape
 from typing import Any
 
 from labkit.config import EngineConfig, check_parallel
@@ -15,6 +16,7 @@ from labkit.io_struct import GenerateReqInput
 from labkit.model_executor.forward_batch import ForwardMode
 from labkit.model_executor.model_runner import resolve_device
 from labkit.model_loader.loader import load_config
+from labkit.reprs import Summarized
 from labkit.sampling.sampling_params import SamplingParams
 from labkit.scheduler.schedule_batch import Req
 from labkit.scheduler.scheduler import Scheduler, StepOutput
@@ -24,8 +26,8 @@ from labkit.trace.events import PoolUsage
 from labkit.trace.recorder import Tracer
 
 
-@dataclass
-class EngineStep:
+@dataclass(repr=False)
+class EngineStep(Summarized):
     """What one `Engine.step()` did, for people: the batch, the new tokens and text, the memory."""
 
     step: int
@@ -42,6 +44,22 @@ class EngineStep:
     pool: PoolUsage
     running: int
     waiting: int
+
+    def summary(self) -> dict[str, object]:
+        out: dict[str, object] = {"step": self.step, "forward_mode": self.forward_mode, "requests": len(self.rids)}
+        out |= {"new_tokens": sum(self.new_tokens.values()), "cache_hit_tokens": self.cache_hit_tokens}
+        out |= {"finished": self.finished, "retracted": self.retracted, "blocked": len(self.blocked)}
+        out |= {"running": self.running, "waiting": self.waiting}
+        out |= {"kv_pool": f"{self.pool.free} free of {self.pool.total}"}
+        return out
+
+    def html_details(self) -> str:
+        """Each request's new token (and its text, with a tokenizer)."""
+        rows = "".join(
+            f"<tr><td>{escape(rid)}</td><td>{token}</td><td>{escape(repr(self.new_text.get(rid, '')))}</td></tr>"
+            for rid, token in self.new_tokens.items()
+        )
+        return f"<table><tr><th>rid</th><th>new token</th><th>text</th></tr>{rows}</table>" if rows else ""
 
 
 @dataclass

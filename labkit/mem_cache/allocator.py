@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from labkit.reprs import Summarized
 
-class TokenToKVPoolAllocator:
+
+class TokenToKVPoolAllocator(Summarized):
     """Free list of KV pages, kept as tensors: alloc slices the head of the list; free appends the
     freed pages as a new chunk, merged into the head only when the head runs short (amortized O(1)
     per page, where concatenating on every free would copy the whole list each time).
@@ -45,6 +47,9 @@ class TokenToKVPoolAllocator:
     def free_pages(self) -> torch.Tensor:
         """The free page numbers (a copy; order unspecified)."""
         return torch.cat([self._head, *self._released])
+
+    def summary(self) -> dict[str, object]:
+        return {"size": self.size, "free": self.available_size(), "page_size": self.page_size}
 
     def available_size(self) -> int:
         """Free slots (free pages * page_size)."""

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from labkit.reprs import Summarized
 from labkit.trace.events import TreeEvent
 
 EventHook = Callable[[TreeEvent], None]
@@ -47,7 +48,7 @@ def held_row(req: CacheableReq) -> int:
     return req.req_pool_idx
 
 
-class BasePrefixCache(ABC):
+class BasePrefixCache(Summarized, ABC):
     """Contract for prefix caches.
 
     Sizes count tokens held by the cache: evictable_size() + protected_size() == total_size() at
@@ -104,6 +105,15 @@ class BasePrefixCache(ABC):
 
     def total_size(self) -> int:
         return self.evictable_size() + self.protected_size()
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "nodes": sum(1 for n in self.nodes() if n.parent is not None),
+            "tokens": self.total_size(),
+            "evictable": self.evictable_size(),
+            "protected": self.protected_size(),
+            "page_size": self.page_size,
+        }
 
     @abstractmethod
     def reset(self) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from labkit.reprs import Summarized
 
-class ReqToTokenPool:
+
+class ReqToTokenPool(Summarized):
     """req_to_token[r, i] is the KV slot holding token i of the request in slot r.
 
     Two copies on a GPU: `req_to_token` on the device, read by the attention kernels, and `host` on
@@ -37,6 +39,9 @@ class ReqToTokenPool:
         cols = torch.arange(start, start + values.numel(), dtype=torch.int64)
         self.write(torch.full_like(cols, slot), cols, values.to(torch.int64))
 
+    def summary(self) -> dict[str, object]:
+        return {"slots": self.size, "free": self.available_size(), "max_context_len": self.max_context_len}
+
     def available_size(self) -> int:
         return len(self.free_slots)
 
@@ -55,7 +60,7 @@ class ReqToTokenPool:
         self.free_slots = list(range(self.size))
 
 
-class TokenToKVPool:
+class TokenToKVPool(Summarized):
     """K and V tensors per layer, [num_slots, num_kv_heads, head_dim]. The first page (slots
     0..page_size-1) is never handed out: padded tokens write there, so no real KV is overwritten."""
 
@@ -88,6 +93,19 @@ class TokenToKVPool:
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffer[layer_id][loc] = k.to(self.dtype)
         self.v_buffer[layer_id][loc] = v.to(self.dtype)
+
+    def summary(self) -> dict[str, object]:
+        per_token = self.bytes_per_token()
+        return {
+            "tokens": self.size,
+            "page_size": self.page_size,
+            "layers": self.num_layers,
+            "kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "bytes_per_token": per_token,
+            "MiB": round((self.size + self.page_size) * per_token / 2**20, 1),
+        }
 
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k_buffer[0].element_size()

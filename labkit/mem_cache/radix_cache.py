@@ -11,6 +11,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Iterator
+from html import escape
 
 import torch
 
@@ -253,6 +254,21 @@ class RadixCache(BasePrefixCache):
         if values:
             self.allocator.free(torch.cat(values))
         self._new_tree()
+
+    def html_details(self, max_lines: int = 40) -> str:
+        """The tree, one node per line: id, token count, first token ids, lock count."""
+        lines: list[str] = []
+        stack = [(child, 0) for child in sorted(self.root.children.values(), key=lambda n: -n.id)]
+        while stack and len(lines) < max_lines:
+            node, depth = stack.pop()
+            head = " ".join(map(str, node.key[:6])) + (" ..." if len(node.key) > 6 else "")
+            lock = f", locked by {node.lock_ref}" if node.lock_ref else ""
+            lines.append(f"{'  ' * depth}#{node.id}: {len(node.key)} tokens [{head}]{lock}")
+            stack.extend((c, depth + 1) for c in sorted(node.children.values(), key=lambda n: -n.id))
+        if stack:
+            lines.append("...")
+        text = "\n".join(lines) or "(empty)"
+        return f"<pre>{escape(text)}</pre>"
 
     def nodes(self) -> Iterator[TreeNode]:
         stack = [self.root]

@@ -18,6 +18,7 @@ import torch
 from labkit.mem_cache.base_prefix_cache import BasePrefixCache, held_row
 from labkit.model_executor.forward_batch import ForwardMode
 from labkit.model_executor.future_map import FutureMap
+from labkit.reprs import Summarized
 from labkit.sampling.sampling_params import SamplingParams
 from labkit.tokenizer.detokenizer import find_stop
 
@@ -40,8 +41,8 @@ class FinishReason:
         return {"type": self.type, "matched": self.matched, "message": self.message}
 
 
-@dataclass(eq=False)
-class Req:
+@dataclass(eq=False, repr=False)
+class Req(Summarized):
     rid: str
     origin_input_ids: list[int]
     sampling_params: SamplingParams
@@ -67,6 +68,18 @@ class Req:
 
     def __post_init__(self) -> None:
         self.times.setdefault("arrival", time.perf_counter())
+
+    def summary(self) -> dict[str, object]:
+        if self.finished_reason is not None:
+            state = f"finished ({self.finished_reason.type})"
+        elif self.req_pool_idx is None:
+            state = "waiting"
+        else:
+            state = "prefilling in chunks" if self.is_chunked else "running"
+        out = {"rid": self.rid, "state": state, "prompt_tokens": len(self.origin_input_ids)}
+        out |= {"output_tokens": len(self.output_ids), "cached_tokens": self.cached_tokens}
+        out |= {"kv_len": self.kv_len, "req_pool_idx": self.req_pool_idx, "retractions": self.retract_count}
+        return out
 
     @property
     def all_ids(self) -> list[int]:
@@ -131,8 +144,8 @@ class Req:
         return None
 
 
-@dataclass
-class ScheduleBatch:
+@dataclass(repr=False)
+class ScheduleBatch(Summarized):
     """The requests of one forward and what each contributes. For MIXED, `reqs` lists the prefill
     requests first, then the decoding ones."""
 
@@ -147,6 +160,15 @@ class ScheduleBatch:
     out_cache_loc: torch.Tensor = EMPTY_INDICES
     decoding_reqs: list[Req] = field(default_factory=list)  # MIXED: the decodes folded in
     sampled_rows: list[int] = field(default_factory=list)  # rows whose sampled token is kept (commit)
+
+    def summary(self) -> dict[str, object]:
+        out: dict[str, object] = {"step": self.step, "forward_mode": self.forward_mode.name}
+        out |= {"requests": len(self.reqs), "tokens": len(self.input_ids)}
+        if self.extend_lens:
+            out["prefix + new"] = ", ".join(
+                f"{r.rid}: {p} + {e}" for r, p, e in zip(self.reqs, self.prefix_lens, self.extend_lens)
+            )
+        return out
 
     @property
     def seq_lens(self) -> list[int]:
