@@ -87,3 +87,47 @@ def test_notebook_runs_top_to_bottom(path, kernel_spec_dir):
             km.shutdown_kernel(now=True)
     elapsed = time.perf_counter() - start
     assert elapsed < NOTEBOOK_BUDGET, f"{path.name} took {elapsed:.0f} s"
+
+
+@pytest.mark.slow
+def test_the_notebooks_command_serves_jupyterlab_on_localhost_with_widgets():
+    """`bash scripts/notebooks.sh` (the README's third command) starts JupyterLab on 127.0.0.1 with a
+    Python kernel and the ipywidgets extension enabled."""
+    import re
+    import signal
+    import socket
+    import subprocess
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = NOTEBOOK_DIR.parent
+    cmd = ["bash", "scripts/notebooks.sh", "--no-browser", f"--port={port}"]
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        token, deadline, seen = None, time.monotonic() + 120, []
+        while token is None and time.monotonic() < deadline and proc.stdout is not None:
+            line = proc.stdout.readline()
+            seen.append(line)
+            if match := re.search(rf"http://127\.0\.0\.1:{port}/lab\?token=(\w+)", line):
+                token = match.group(1)
+        assert token, "".join(seen[-20:])
+        base = f"http://127.0.0.1:{port}"
+        specs = httpx.get(f"{base}/api/kernelspecs", params={"token": token}, timeout=30).json()
+        assert "python3" in specs["kernelspecs"]
+        extensions = httpx.get(f"{base}/lab/api/extensions", params={"token": token}, timeout=30).json()
+        listed = extensions[0] if extensions and isinstance(extensions[0], list) else extensions
+        # Listed as "jupyter-widgets-jupyterlab-manager" (the npm name @jupyter-widgets/jupyterlab-manager).
+        widgets = [e for e in listed if e["name"].endswith("jupyter-widgets-jupyterlab-manager")]
+        assert widgets and widgets[0]["enabled"], [e["name"] for e in listed]
+    finally:
+        proc.send_signal(signal.SIGINT)  # JupyterLab asks to confirm one Ctrl-C; a second one ends it
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
