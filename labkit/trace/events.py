@@ -18,8 +18,8 @@ class Station(IntEnum):
     ENQUEUE = 5  # waiting queue + radix prefix match
     BATCH = 6  # picked into a ScheduleBatch
     FORWARD = 7
-    SAMPLE = 8
-    DETOKENIZE = 9  # incremental detokenization + finish check
+    SAMPLE = 8  # + the finish check (Req.check_finished, in the scheduler)
+    DETOKENIZE = 9  # incremental detokenization
     RESPOND = 10
 
 

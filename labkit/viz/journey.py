@@ -18,8 +18,8 @@ from labkit.viz.run import Run
 STATION_TITLES = {
     Station.HTTP_RECEIVE: "1 HTTP receive", Station.PARSE_VALIDATE: "2 parse / validate",
     Station.TOKENIZE: "3 tokenize", Station.ZMQ_SEND: "4 ZMQ send", Station.ENQUEUE: "5 enqueue (prefix match)",
-    Station.BATCH: "6 batch", Station.FORWARD: "7 forward", Station.SAMPLE: "8 sample",
-    Station.DETOKENIZE: "9 detokenize (+ finish check)", Station.RESPOND: "10 respond",
+    Station.BATCH: "6 batch", Station.FORWARD: "7 forward", Station.SAMPLE: "8 sample (+ finish check)",
+    Station.DETOKENIZE: "9 detokenize", Station.RESPOND: "10 respond",
 }  # fmt: skip
 OTHER_STATION = "#8d99ae"
 HIGHLIGHT = "#e63946"
