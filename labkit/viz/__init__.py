@@ -33,7 +33,7 @@ from labkit.viz.run import Run
 from labkit.viz.timeline import batch_frame, cells_frame, draw_timeline, draw_timelines
 from labkit.viz.tree import draw_radix_tree
 from labkit.viz.waiting import draw_waiting, waiting_frame, waiting_table
-from labkit.viz.widgets import RunReplayer, StationStepper, fig_png, widget_frontend
+from labkit.viz.widgets import RunReplayer, StationStepper, display_width, fig_png, widget_frontend
 
 
 def _register_png_formatter() -> None:
@@ -52,7 +52,13 @@ def _register_png_formatter() -> None:
     try:
         png.lookup_by_type(Figure)
     except KeyError:
-        png.for_type(Figure, lambda fig: fig_png(fig, dpi=90))
+        png.for_type(Figure, _figure_png)
+
+
+def _figure_png(fig) -> tuple[bytes, dict[str, int]]:
+    """The figure's PNG and the width to show it at (sharp, not larger: see style.PIXEL_DENSITY)."""
+    data = fig_png(fig)
+    return data, {"width": display_width(data)}
 
 
 _register_png_formatter()

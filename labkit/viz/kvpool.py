@@ -141,6 +141,9 @@ def page_owners(snap: KVSnapshot) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+SHARED_EDGE = "#7a5200"  # the outline of shared slots and pages
+
+
 def draw_kv_pool(
     source: Any,
     *,
@@ -150,8 +153,9 @@ def draw_kv_pool(
     title: str | None = None,
 ):
     """Request-to-token table (top) and page pool (bottom) of a KVSnapshot (or a live Engine, which
-    is snapshotted now). Shared slots/pages are amber and hatched. Returns the Figure; table cells of
-    shared slots have gid 'shared-<rid>-<pos>'."""
+    is snapshotted now). Shared slots/pages are amber with a dark outline (no hatching under their
+    numbers). The pool is drawn up to the row of its last page in use (the title counts the rest).
+    Returns the Figure; table cells of shared slots have gid 'shared-<rid>-<pos>'."""
     snap = source if isinstance(source, KVSnapshot) else kv_snapshot(source)
     df = req_to_token_table(snap)
     pages = page_owners(snap)
@@ -162,10 +166,8 @@ def draw_kv_pool(
     cells = snap.num_pages + 1  # page 0 (reserved) .. num_pages
     if max_pages:
         shown_pages = min(max_pages, cells)
-    elif cells <= 4 * pages_per_row:
-        shown_pages = cells
-    else:  # up to the row after the last used page; the rest is free
-        shown_pages = min(cells, (last // pages_per_row + 2) * pages_per_row)
+    else:  # up to the row of the last page in use; the rest is free
+        shown_pages = min(cells, (last // pages_per_row + 1) * pages_per_row)
     n_rows_pool = int(np.ceil(shown_pages / pages_per_row))
     n_pos = min(max((len(r.slots) for r in snap.requests), default=1), max_positions)
     pitch = 1.45 if snap.page_size > 1 else 1.0  # room under each row for its page numbers
@@ -182,15 +184,14 @@ def draw_kv_pool(
         sub = df[df["rid"] == r.rid].head(n_pos)
         for _, c in sub.iterrows():
             pos = int(c["position"])
+            edge, lw = "white", 0.5
             if c["owner"] == "shared":
-                face, hatch, gid = style.PROTECTED, "////", f"shared-{r.rid}-{pos}"
+                face, edge, lw, gid = style.PROTECTED, SHARED_EDGE, 1.2, f"shared-{r.rid}-{pos}"
             elif c["owner"] == "cached":
-                face, hatch, gid = "#ffe8a3", None, f"cached-{r.rid}-{pos}"
+                face, gid = "#ffe8a3", f"cached-{r.rid}-{pos}"
             else:
-                face, hatch, gid = color_of[r.rid], None, f"own-{r.rid}-{pos}"
-            ax_t.add_patch(
-                Rectangle((pos, i - 0.42), 1, 0.84, facecolor=face, edgecolor="white", lw=0.5, hatch=hatch, gid=gid)
-            )
+                face, gid = color_of[r.rid], f"own-{r.rid}-{pos}"
+            ax_t.add_patch(Rectangle((pos, i - 0.42), 1, 0.84, facecolor=face, edgecolor=edge, lw=lw, gid=gid))
             if fs:
                 ax_t.text(
                     pos + 0.5,
@@ -243,7 +244,7 @@ def draw_kv_pool(
     if not rids:
         ax_t.text(0.5, 0.5, "no running requests", ha="center", va="center", transform=ax_t.transAxes)
     handles = [
-        Patch(facecolor=style.PROTECTED, hatch="////", label="shared prefix (read by 2+ requests)"),
+        Patch(facecolor=style.PROTECTED, edgecolor=SHARED_EDGE, lw=1.2, label="shared prefix (read by 2+ requests)"),
         Patch(facecolor="#ffe8a3", label="in the radix tree, read by this request only"),
         Patch(facecolor=style.REQUEST_PALETTE[0], label="the request's own slots (colour per request)"),
     ]
@@ -278,18 +279,9 @@ def draw_kv_pool(
     for _, p in pages[pages["owner"] == "shared"].iterrows():
         if p["page"] < len(grid.flat):
             r, c = divmod(int(p["page"]), pages_per_row)
-            ax_p.add_patch(
-                Rectangle(
-                    (c - 0.5, r - 0.5),
-                    1,
-                    1,
-                    fill=False,
-                    hatch="////",
-                    edgecolor="#7a5200",
-                    lw=0,
-                    gid=f"shared-page-{p['page']}",
-                )
-            )
+            outline = Rectangle((c - 0.45, r - 0.45), 0.9, 0.9, fill=False, edgecolor=SHARED_EDGE, lw=1.2)
+            ax_p.add_patch(outline)
+            outline.set_gid(f"shared-page-{p['page']}")
             if pages_per_row <= 64:
                 ax_p.text(c, r, f"×{p['readers']}", ha="center", va="center", fontsize=5.5)
     ax_p.set_xticks(np.arange(-0.5, pages_per_row, 1), minor=True)
@@ -314,7 +306,7 @@ def draw_kv_pool(
         Patch(color=style.FREE, label="free"),
         Patch(color=style.EVICTABLE, label="tree, evictable"),
         Patch(color=style.PROTECTED, label="tree, protected"),
-        Patch(facecolor=style.PROTECTED, hatch="////", label="shared by running requests (×readers)"),
+        Patch(facecolor=style.PROTECTED, edgecolor=SHARED_EDGE, lw=1.2, label="shared by running requests (×readers)"),
     ]
     handles += [Patch(color=color_of[r], label=f"own: {r}") for r in rids[:8]]
     ax_p.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7.5, frameon=False)

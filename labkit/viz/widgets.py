@@ -44,10 +44,20 @@ def widget_frontend() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
-def fig_png(fig, dpi: int = 80) -> bytes:
+def fig_png(fig, dpi: int = style.DISPLAY_DPI * style.PIXEL_DENSITY) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     return buf.getvalue()
+
+
+def display_width(png: bytes) -> int:
+    """The CSS width a fig_png image shows at: its pixel width (from the PNG header) over PIXEL_DENSITY."""
+    return round(int.from_bytes(png[16:20], "big") / style.PIXEL_DENSITY)
+
+
+def _show(image, png: bytes) -> None:
+    """Put a fig_png image into an ipywidgets Image at its display width."""
+    image.value, image.width = png, str(display_width(png))
 
 
 class _WithFallback:
@@ -212,11 +222,12 @@ class StationStepper:
         )
         prev, nxt = w.Button(description="◀ prev"), w.Button(description="next ▶")
         info = w.HTML(self.html(0))
-        image = w.Image(value=fig_png(self.figure(0)), format="png")
+        image = w.Image(format="png")
+        _show(image, fig_png(self.figure(0)))
 
         def update(change=None):
             info.value = self.html(slider.value)
-            image.value = fig_png(self.figure(slider.value))
+            _show(image, fig_png(self.figure(slider.value)))
 
         slider.observe(update, names="value")
         prev.on_click(lambda _: setattr(slider, "value", max(slider.value - 1, 0)))
@@ -331,18 +342,20 @@ class RunReplayer:
             options=steps, value=start, description="step", continuous_update=False, layout=w.Layout(width="80%")
         )
         tree_png, over_png = self._pngs(start)
-        over = w.Image(value=over_png, format="png")
+        over = w.Image(format="png")
+        _show(over, over_png)
         children = [slider, over]
         tree = None
         if tree_png is not None:
-            tree = w.Image(value=tree_png, format="png")
+            tree = w.Image(format="png")
+            _show(tree, tree_png)
             children.append(tree)
 
         def update(change=None):
             t, o = self._pngs(slider.value)
-            over.value = o
+            _show(over, o)
             if tree is not None and t is not None:
-                tree.value = t
+                _show(tree, t)
 
         slider.observe(update, names="value")
         box = w.VBox(children)

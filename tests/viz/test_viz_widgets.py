@@ -61,3 +61,25 @@ def test_show_without_a_frontend_returns_static_views(tiny_run, monkeypatch):
     StationStepper(tiny_run).show()
     kinds = [type(x).__name__ for x in shown]
     assert kinds == ["Figure", "Figure", "DataFrame", "Figure"]
+
+
+def test_figures_render_at_twice_the_pixels_of_their_display_width():
+    from matplotlib.figure import Figure
+
+    from labkit.viz import _figure_png, style
+
+    fig = Figure(figsize=(6, 2))
+    fig.add_subplot().plot([0, 1], [1, 0])
+    png, meta = _figure_png(fig)
+    pixels = int.from_bytes(png[16:20], "big")
+    assert pixels == 6 * style.DISPLAY_DPI * style.PIXEL_DENSITY and style.PIXEL_DENSITY >= 2
+    assert meta == {"width": 6 * style.DISPLAY_DPI}
+
+
+def test_widget_images_show_at_their_display_width(tiny_run):
+    from labkit.viz import style
+
+    box = RunReplayer(tiny_run).widget()
+    for image in (box.labkit["overview"], box.labkit["tree"]):
+        pixels = int.from_bytes(image.value[16:20], "big")
+        assert abs(int(image.width) * style.PIXEL_DENSITY - pixels) <= style.PIXEL_DENSITY / 2
