@@ -30,10 +30,11 @@ PHASE_COLORS = {
 }
 MODE_COLORS = {"EXTEND": "#457b9d", "DECODE": "#52b788", "MIXED": "#8d6cab", "IDLE": "#bbbbbb"}
 
-# The ten stations, by number; 5 (waiting for a batch) is grey like "queued" above
+# The ten stations, by number; 5 (waiting for a batch) is grey like "queued" above. No other station
+# takes a phase's or mode's colour: blue means a prefill (extend) and green a decode in every view.
 STATION_COLORS = {
     1: "#1d3557", 2: "#6d597a", 3: "#b56576", 4: "#e9c46a", 5: "#c8c8c8",
-    6: "#222222", 7: "#457b9d", 8: "#e76f51", 9: "#52b788", 10: "#2a9d8f",
+    6: "#222222", 7: "#7f5539", 8: "#e76f51", 9: "#bc6c25", 10: "#2a9d8f",
 }  # fmt: skip
 
 # Why a request waits (categories of StepRecord.blocked)

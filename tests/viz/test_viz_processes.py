@@ -71,3 +71,11 @@ def test_rids_labels_and_window_select_what_is_drawn():
     assert [t.get_text() for t in fig.axes[1].get_yticklabels()] == ["second"]
     with pytest.raises(ValueError, match="no station events"):
         draw_stations_by_process(tr, ["nobody"])
+
+
+def test_no_station_takes_the_colour_of_a_phase_or_mode():
+    from labkit.viz import style
+
+    phases = set(style.PHASE_COLORS.values()) | set(style.MODE_COLORS.values())
+    assert not {s: c for s, c in style.STATION_COLORS.items() if c in phases}
+    assert len(set(style.STATION_COLORS.values())) == len(style.STATION_COLORS)
