@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -93,16 +96,11 @@ def test_notebook_runs_top_to_bottom(path, kernel_spec_dir):
 def test_the_notebooks_command_serves_jupyterlab_on_localhost_with_widgets():
     """`bash scripts/notebooks.sh` (the README's third command) starts JupyterLab on 127.0.0.1 with a
     Python kernel and the ipywidgets extension enabled."""
-    import re
-    import signal
-    import socket
-    import subprocess
-
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from labkit.server.process import free_port
+
+    port = free_port()
     root = NOTEBOOK_DIR.parent
     cmd = ["bash", "scripts/notebooks.sh", "--no-browser", f"--port={port}"]
     proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

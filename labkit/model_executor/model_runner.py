@@ -143,7 +143,7 @@ class ModelRunner:
             )
         )
         self.sampler = Sampler(seed=self._shared_sampler_seed())
-        self.custom_all_reduce_off = self._enable_custom_all_reduce()
+        self._enable_custom_all_reduce()
         # Shapes specialize at first and turn dynamic on the first recompile (torch's default).
         self.compiled_model = torch.compile(self.model) if config.enable_torch_compile else None
         self.cuda_graph_runner: CudaGraphRunner | None = self._build_cuda_graph_runner()
@@ -154,9 +154,7 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.disable_cuda_graph:
             return None
         if self.tp.size > 1 and self.tp.custom_all_reduce is None:  # NCCL stays out of graphs (custom_all_reduce.py)
-            why = self.custom_all_reduce_off
-            logger.warning("CUDA graphs off: tp_size > 1 without the custom all-reduce (%s)", why)
-            return None
+            return None  # _enable_custom_all_reduce said why
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
         try:
             return CudaGraphRunner(self, max_bs)
@@ -164,19 +162,19 @@ class ModelRunner:
             logger.info("CUDA graphs off: %s", e)
             return None
 
-    def _enable_custom_all_reduce(self) -> str | None:
-        """Small all-reduces through CustomAllReduce when the ranks share a machine's GPUs; returns why
-        not (None when on). Collective: every rank decides the same from the same config."""
+    def _enable_custom_all_reduce(self) -> None:
+        """Small all-reduces through CustomAllReduce when the ranks share a machine's GPUs (a warning
+        says why not). Collective: every rank decides the same from the same config."""
         if self.tp.size == 1 or self.device.type != "cuda":
-            return "tp_size 1 or not CUDA"
+            return
         if self.config.disable_custom_all_reduce:
-            return "--disable-custom-all-reduce"
-        if self.config.nnodes > 1:
-            return "the ranks are on several machines"
-        why = self.tp.enable_custom_all_reduce(self.device, self.dtype)
+            why: str | None = "--disable-custom-all-reduce"
+        elif self.config.nnodes > 1:
+            why = "the ranks are on several machines"
+        else:
+            why = self.tp.enable_custom_all_reduce(self.device, self.dtype)
         if why:
-            logger.warning("custom all-reduce off: %s", why)
-        return why
+            logger.warning("custom all-reduce off (%s): decode CUDA graphs off too, NCCL stays out of them", why)
 
     def _shared_sampler_seed(self) -> int | None:
         """Tensor-parallel ranks must draw the same noise: rank 0's random seed, for all. A single

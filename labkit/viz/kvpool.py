@@ -279,9 +279,8 @@ def draw_kv_pool(
     for _, p in pages[pages["owner"] == "shared"].iterrows():
         if p["page"] < len(grid.flat):
             r, c = divmod(int(p["page"]), pages_per_row)
-            outline = Rectangle((c - 0.45, r - 0.45), 0.9, 0.9, fill=False, edgecolor=SHARED_EDGE, lw=1.2)
-            ax_p.add_patch(outline)
-            outline.set_gid(f"shared-page-{p['page']}")
+            outline = dict(fill=False, edgecolor=SHARED_EDGE, lw=1.2, gid=f"shared-page-{p['page']}")
+            ax_p.add_patch(Rectangle((c - 0.45, r - 0.45), 0.9, 0.9, **outline))
             if pages_per_row <= 64:
                 ax_p.text(c, r, f"×{p['readers']}", ha="center", va="center", fontsize=5.5)
     ax_p.set_xticks(np.arange(-0.5, pages_per_row, 1), minor=True)
