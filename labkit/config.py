@@ -94,6 +94,13 @@ class EngineConfig:
     tp_size: int = field(
         default=1, metadata={"help": "tensor parallelism: ranks sharing each layer (gloo on CPU, NCCL on CUDA)"}
     )
+    ep_size: int = field(
+        default=1,
+        metadata={
+            "help": "expert parallelism: MoE experts split over this many of the tp_size ranks (a divisor of "
+            "tp_size); the rest split each expert's features"
+        },
+    )
     nnodes: int = field(default=1, metadata={"help": "machines the tp_size ranks are spread over"})
     node_rank: int = field(default=0, metadata={"help": "this machine's index among --nnodes (0 serves HTTP)"})
     dist_init_addr: str | None = field(
@@ -127,6 +134,8 @@ def check_parallel(config: EngineConfig) -> None:
     """ValueError for a parallel layout that cannot work (the model's own limits are checked as it loads)."""
     if config.tp_size < 1 or config.nnodes < 1:
         raise ValueError(f"tp_size and nnodes must be >= 1, got {config.tp_size} and {config.nnodes}")
+    if config.ep_size < 1 or config.tp_size % config.ep_size:
+        raise ValueError(f"ep_size must be a divisor of tp_size {config.tp_size}, got {config.ep_size}")
     if config.tp_size % config.nnodes:
         raise ValueError(f"tp_size {config.tp_size} does not split evenly over {config.nnodes} nodes")
     if not 0 <= config.node_rank < config.nnodes:

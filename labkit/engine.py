@@ -96,12 +96,18 @@ class Engine:
             return None
         if config.nnodes > 1:
             raise ValueError("an Engine runs on one machine; several nodes need the server (python -m labkit.server)")
-        check_tp_shapes(load_config(config.model_path), config.tp_size)
+        check_tp_shapes(load_config(config.model_path), config.tp_size, config.ep_size)
         addr = config.dist_init_addr or free_local_addr()
         self._followers = TPFollowers.start(config, addr)
         try:
             return init_tp_group(
-                0, config.tp_size, addr, resolve_device(config.device), config.dist_timeout, self._followers.dead
+                0,
+                config.tp_size,
+                addr,
+                resolve_device(config.device),
+                config.dist_timeout,
+                self._followers.dead,
+                ep_size=config.ep_size,
             )
         except RuntimeError:
             self._followers.join(timeout=0)

@@ -233,7 +233,7 @@ def check_layout(args: ServerArgs) -> None:
     cfg = args.engine
     try:
         if cfg.tp_size > 1:
-            check_tp_shapes(load_config(cfg.model_path), cfg.tp_size)
+            check_tp_shapes(load_config(cfg.model_path), cfg.tp_size, cfg.ep_size)
         resolve_device(cfg.device, ranks_per_node(cfg) - 1)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"labkit server: {e}") from None

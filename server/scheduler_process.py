@@ -68,7 +68,9 @@ def run_scheduler_process(
     config = args.engine
     try:
         device = resolve_device(config.device, place.tp_rank % ranks_per_node(config))
-        tp = init_tp_group(place.tp_rank, config.tp_size, place.init_addr, device, config.dist_timeout)
+        tp = init_tp_group(
+            place.tp_rank, config.tp_size, place.init_addr, device, config.dist_timeout, ep_size=config.ep_size
+        )
         if tp.is_leader:
             loop = SchedulerLoop.create(config, ports, tp, place.dp_rank)
         else:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from hf_checkpoints import random_hf_checkpoint
 
 from labkit.model_executor.forward_batch import ForwardMode
-from labkit.model_loader import load_config, load_model
+from labkit.model_loader import load_model
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -25,30 +25,17 @@ CASES = [  # (data config, tie_word_embeddings, rope override)
     ("tiny-qwen2", True, None),
     ("tiny-qwen3", True, None),
     ("tiny-qwen3", False, None),
+    ("tiny-qwen2-moe", False, None),  # shared expert, a dense layer among the sparse ones
+    ("tiny-qwen2-moe", True, None),
+    ("tiny-qwen3-moe", True, None),  # renormalized top-4 of 16 experts, q/k norm
 ]
-
-
-def _hf_checkpoint(name: str, tie: bool, rope: dict | None, path) -> torch.nn.Module:
-    config = load_config(name)
-    config.tie_word_embeddings = tie
-    if rope is not None:
-        config.rope_parameters = rope
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # randomize everything (HF zero-inits biases and ones-inits norms)
-        for pname, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.1 * noise if "norm" in pname else 0.1 * noise)
-    hf.save_pretrained(path)
-    return hf
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-tie{c[1]}-{'llama3rope' if c[2] else 'rope'}")
 def checkpoint(request, tmp_path_factory):
     """(HF model, its saved directory), built once per case and shared by both page sizes."""
     path = tmp_path_factory.mktemp("ckpt")
-    return _hf_checkpoint(*request.param, path), path, request.param[1]
+    return random_hf_checkpoint(*request.param, path), path, request.param[1]
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -48,6 +48,12 @@ class TPGroup:
     cpu_group: dist.ProcessGroup | None = None
     stats: CommStats = field(default_factory=CommStats)
     custom_all_reduce: CustomAllReduce | None = None  # small CUDA tensors, one machine (enable_custom_all_reduce)
+    # Expert parallelism within this group: MoE experts split over ep_size ranks (labkit/layers/moe).
+    ep_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.ep_size < 1 or self.size % self.ep_size:
+            raise ValueError(f"ep_size must divide tp_size {self.size}, got {self.ep_size}")
 
     @property
     def is_leader(self) -> bool:
@@ -145,12 +151,13 @@ def init_tp_group(
     device: torch.device,
     timeout_s: float,
     others_alive: Callable[[], str | None] | None = None,
+    ep_size: int = 1,
 ) -> TPGroup:
     """Join the torch.distributed world of one tensor-parallel group at `init_addr` ("host:port";
     rank 0 listens there). RuntimeError with a clear message if the others do not come in time, or
     (rank 0) as soon as `others_alive()` names a rank process that died while starting."""
     if size == 1:
-        return TPGroup()
+        return TPGroup(ep_size=ep_size)
     host, _, port = init_addr.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"dist_init_addr must be host:port, got {init_addr!r}")
@@ -170,7 +177,7 @@ def init_tp_group(
             f"rank {rank} of {size} could not join the tensor-parallel group at {init_addr}: {e}"
         ) from None
     cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
-    return TPGroup(rank, size, dist.group.WORLD, cpu_group)
+    return TPGroup(rank, size, dist.group.WORLD, cpu_group, ep_size=ep_size)
 
 
 _JOINED_KEY = "labkit/ranks_joined"

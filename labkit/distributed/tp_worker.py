@@ -31,20 +31,22 @@ def free_local_addr() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def check_tp_shapes(hf_config: Any, tp_size: int) -> None:
-    """ValueError, before any process starts, if the model cannot be split tp_size ways: the model is
-    built on the meta device (no memory) as rank 0 would build it, so its parallel layers check."""
+def check_tp_shapes(hf_config: Any, tp_size: int, ep_size: int = 1) -> None:
+    """ValueError, before any process starts, if the model cannot be split tp_size ways (its experts
+    ep_size ways): the model is built on the meta device (no memory) as rank 0 would build it, so its
+    parallel layers check."""
     with torch.device("meta"):
         try:
-            get_model_class(hf_config.architectures)(hf_config, torch.float32, TPGroup(rank=0, size=tp_size))
+            tp = TPGroup(rank=0, size=tp_size, ep_size=ep_size)
+            get_model_class(hf_config.architectures)(hf_config, torch.float32, tp)
         except ValueError as e:
-            raise ValueError(f"tp_size {tp_size} does not fit the model: {e}") from None
+            raise ValueError(f"tp_size {tp_size} (ep_size {ep_size}) does not fit the model: {e}") from None
 
 
 def run_tp_follower(config: EngineConfig, rank: int, init_addr: str) -> None:
     """A follower rank's whole life: join the group, load its share, follow rank 0, leave."""
     device = resolve_device(config.device, rank % ranks_per_node(config))
-    tp = init_tp_group(rank, config.tp_size, init_addr, device, config.dist_timeout)
+    tp = init_tp_group(rank, config.tp_size, init_addr, device, config.dist_timeout, ep_size=config.ep_size)
     try:
         tracer = Tracer(record_snapshots=False) if config.enable_trace else None
         Scheduler.from_config(config, tracer, tp).follow_leader()

@@ -43,6 +43,8 @@ class ForwardBatch:
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: TokenToKVPool
     attn_backend: AttentionBackend
+    # [MoE layers, experts] int64 when the trace records expert load: each MoE layer adds its counts.
+    expert_load: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -143,6 +143,13 @@ class ModelRunner:
             )
         )
         self.sampler = Sampler(seed=self._shared_sampler_seed())
+        moe_layers = len(getattr(self.model, "moe_layer_ids", []))
+        # The trace's expert-load record, filled by the MoE layers of each traced forward.
+        self.expert_load = (
+            torch.zeros(moe_layers, cfg.num_experts, dtype=torch.int64, device=self.device)
+            if config.enable_trace and moe_layers
+            else None
+        )
         self._enable_custom_all_reduce()
         # Shapes specialize at first and turn dynamic on the first recompile (torch's default).
         self.compiled_model = torch.compile(self.model) if config.enable_torch_compile else None
@@ -219,14 +226,17 @@ class ModelRunner:
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.token_to_kv_pool,
             attn_backend=self.attn_backend,
+            expert_load=self.expert_load.zero_() if self.expert_load is not None else None,
         )
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Next-token logits [batch_size, vocab] (model dtype) for the last token of every request.
-        Decode batches up to the largest captured size replay a CUDA graph; the rest run eagerly."""
-        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
-            return self.cuda_graph_runner.replay(forward_batch)
+        Decode batches up to the largest captured size replay a CUDA graph (unless the trace records
+        expert load: the graphs were captured without it); the rest run eagerly."""
+        graphs = self.cuda_graph_runner if forward_batch.expert_load is None else None
+        if graphs is not None and graphs.can_run(forward_batch):
+            return graphs.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         model = self.decode_model(forward_batch.batch_size) if forward_batch.forward_mode.is_decode() else self.model
         return model(forward_batch.input_ids, forward_batch.positions, forward_batch)

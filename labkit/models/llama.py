@@ -7,7 +7,7 @@ the MLP and the vocabulary (labkit/layers/linear.py says how), and the forward i
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,23 +53,30 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, tp: TPGroup) -> None:
+    """The gated MLP. Like every MLP block (the MoE ones too) it takes the ForwardBatch along."""
+
+    def __init__(self, config: Any, tp: TPGroup, intermediate_size: int | None = None) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias, tp)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias, tp)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, forward_batch: ForwardBatch | None = None) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+MLPFactory = Callable[[Any, int, TPGroup], nn.Module]  # (hf config, layer id, tp) -> the layer's MLP block
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TPGroup) -> None:
+    def __init__(
+        self, config: Any, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TPGroup, mlp: nn.Module
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, qkv_bias, o_bias, qk_norm, tp)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -83,16 +90,19 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(rope, hidden, forward_batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, forward_batch), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TPGroup) -> None:
+    def __init__(
+        self, config: Any, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TPGroup, build_mlp: MLPFactory
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.rotary_emb = get_rope(head_dim_of(config), config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm, tp) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm, tp, build_mlp(config, i, tp))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -135,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         qkv_bias, o_bias = self.attention_biases(config)
-        self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm, tp)
+        self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm, tp, self.build_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.logits_processor = LogitsProcessor()
@@ -149,6 +159,10 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(input_ids, positions, forward_batch)
         logits = self.logits_processor(hidden, self.head.weight, forward_batch)
         return self.gather_logits(logits) if gather_logits else logits
+
+    def build_mlp(self, config: Any, layer_id: int, tp: TPGroup) -> nn.Module:
+        """Layer `layer_id`'s MLP block (an MoE model makes some of them experts)."""
+        return LlamaMLP(config, tp)
 
     @property
     def head(self) -> VocabParallelEmbedding:

@@ -70,6 +70,7 @@ class StepOutput:
     retracted: list[str] = field(default_factory=list)
     blocked: dict[str, str] = field(default_factory=dict)  # waiting rid -> what held it back
     cache_hit_tokens: int = 0
+    expert_tokens: list[list[int]] | None = None  # traced MoE models: [MoE layer][expert] tokens routed
 
 
 class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerTPMixin):
@@ -229,7 +230,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         else:
             if self.in_flight is not None and batch_needs_host_history(batch):
                 self._take_in_flight(out, batch)  # its penalties need the tokens still on the device
-            launched = self.run_batch(batch)
+            launched = self.run_batch(batch, out)
             self._take_in_flight(out, batch)
             self.commit_batch(batch)
             # A batch of requests that all finished meanwhile (or a prompt chunk) has no token to take.
@@ -379,7 +380,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         self.waiting_queue = sorted(retracted, key=lambda r: r.times["arrival"]) + self.waiting_queue
         return [r.rid for r in retracted]
 
-    def run_batch(self, batch: ScheduleBatch) -> HostSample:
+    def run_batch(self, batch: ScheduleBatch, out: StepOutput) -> HostSample:
         """Queue the batch's forward and sampling on the device; the tokens come with `.wait()`."""
         forward_batch = self.model_runner.build_forward_batch(batch)
         start = time.perf_counter()
@@ -388,6 +389,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         sample = self.model_runner.sample(logits, batch.reqs, forward_batch)
         if self.tracer is not None:  # reads the logits now: tracing gives up the overlap
             self._trace_forward(self.tracer, batch, logits, sample.wait(), start, mid, time.perf_counter())
+            if forward_batch.expert_load is not None:
+                out.expert_tokens = forward_batch.expert_load.tolist()
         return sample
 
     def commit_batch(self, batch: ScheduleBatch) -> None:

@@ -133,6 +133,7 @@ class SchedulerMetricsMixin:
                 comm_calls=comm.calls,
                 comm_seconds=comm.seconds,
                 sampled_digest=zlib.crc32(repr(sorted(out.new_token_ids.items())).encode()),
+                expert_tokens=out.expert_tokens,
             )
         )
         # The tree with its locks and the waiting queue with its matches, for replaying (labkit.viz).

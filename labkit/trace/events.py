@@ -67,6 +67,9 @@ class StepRecord:
     comm_calls: int = 0  # its collectives (all-reduce, all-gather) this step
     comm_seconds: float = 0.0  # time in them, where they block (gloo on CPU; 0 on CUDA, see CommStats)
     sampled_digest: int = 0  # crc32 of the (rid, token) pairs it took: equal on every rank of a step
+    # MoE models: tokens routed to each expert, [MoE layer][expert] (global expert ids; every rank
+    # routes every token, so the counts are the same on every rank). None for dense models.
+    expert_tokens: list[list[int]] | None = None
 
 
 @dataclass

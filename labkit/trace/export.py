@@ -22,7 +22,7 @@ STEP_COLUMNS = [
     "step", "start", "end", "duration", "forward_mode", "batch_size", "rids", "extend_lens",
     "prefix_lens", "num_tokens", "cache_hit_tokens", "pool_total", "pool_free", "pool_evictable",
     "pool_protected", "pool_request_owned", "running", "waiting", "chunked_rid", "finished",
-    "retracted", "blocked",
+    "retracted", "blocked", "expert_tokens",
 ]  # fmt: skip
 TREE_COLUMNS = ["kind", "time", "node_id", "parent_id", "num_tokens", "tokens"]
 RANK_COLUMNS = [
@@ -42,7 +42,8 @@ def to_dataframe(tracer: Tracer, kind: Kind = "stations") -> pd.DataFrame:
 
     stations: rid, station (int), station_name, start, end, duration, step, detail (the dict), plus one
         column per scalar detail key (named `detail_<key>` if it collides with a fixed column).
-    steps: StepRecord fields with duration, batch_size and the pool flattened into pool_<field>.
+    steps: StepRecord fields with duration, batch_size and the pool flattened into pool_<field>
+        (expert_tokens: None for dense models).
     tree: TreeEvent fields.
     ranks: every tensor-parallel rank's steps (rank 0's and tracer.rank_steps), one row per rank and
         step, with the time in collectives (comm_seconds, where they block) and the sampled-token digest.
@@ -86,6 +87,7 @@ def to_dataframe(tracer: Tracer, kind: Kind = "stations") -> pd.DataFrame:
                 "finished": s.finished,
                 "retracted": s.retracted,
                 "blocked": s.blocked,
+                "expert_tokens": s.expert_tokens,
             }  # fmt: skip
             for s in tracer.steps
         ]
@@ -155,7 +157,7 @@ def to_perfetto(tracer: Tracer) -> dict[str, Any]:
             "pool": {"total": s.pool.total, **pool}, "running": s.running, "waiting": s.waiting,
             "chunked_rid": s.chunked_rid, "finished": s.finished, "retracted": s.retracted,
             "blocked": s.blocked, "rank": s.rank, "comm_calls": s.comm_calls, "comm_seconds": s.comm_seconds,
-            "sampled_digest": s.sampled_digest,
+            "sampled_digest": s.sampled_digest, "expert_tokens": s.expert_tokens,
         }  # fmt: skip
         out.append({
             "name": s.forward_mode, "cat": "step", "ph": "X", "ts": us(s.start),

@@ -54,8 +54,19 @@ def _assert_same(ref: dict, got: dict) -> None:
 TIGHT = {"max_total_tokens": 320, "chunked_prefill_size": 32, "max_running_requests": 8}
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
-def test_tp2_gives_the_tokens_and_logprobs_of_tp1_with_cache_chunks_and_retraction(model):
+@pytest.mark.parametrize(
+    ("model", "ep_size"),
+    [
+        ("tiny-llama", 1),
+        ("tiny-qwen2", 1),
+        ("tiny-qwen3", 1),
+        ("tiny-qwen2-moe", 1),
+        ("tiny-qwen2-moe", 2),
+        ("tiny-qwen3-moe", 2),
+    ],
+)
+def test_tp2_gives_the_tokens_and_logprobs_of_tp1_with_cache_chunks_and_retraction(model, ep_size):
+    """ep_size 2: each rank holds half the experts whole (ep_size 1: half of every expert's features)."""
     common = {"model_path": model, "load_format": "dummy", "random_seed": 5, **TIGHT}
     ref_engine = Engine(**common)
     prompts = _workload(ref_engine.model_runner.vocab_size)
@@ -63,7 +74,7 @@ def test_tp2_gives_the_tokens_and_logprobs_of_tp1_with_cache_chunks_and_retracti
         {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True, "return_logprob": True, "top_logprobs_num": TOP}
     ] * len(prompts)
     ref, ref_seen = _run(ref_engine, prompts, params)
-    with Engine(**common, tp_size=2) as engine:
+    with Engine(**common, tp_size=2, ep_size=ep_size) as engine:
         got, seen = _run(engine, prompts, params)
     assert seen == ref_seen  # the same decisions, step by step
     assert seen["retracted"] > 0 and seen["cache_hit_tokens"] > 0 and seen["chunked"] > 0
