@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
@@ -37,9 +38,6 @@ def hf_model(embedded_dir):
 
 
 # --- labkit paged-KV harness (models / attention tests) -------------------------------------------
-import random as _lk_random  # noqa: E402
-
-
 class PagedKVHarness:
     """Real ReqToTokenPool + TokenToKVPool + an attention backend, with KV slots assigned by hand
     page by page from a shuffled page list (so a request's pages are not contiguous)."""
@@ -65,7 +63,7 @@ class PagedKVHarness:
         self.req_pool = ReqToTokenPool(max_reqs, max_ctx)
         self.kv_pool = TokenToKVPool(num_pages * page_size, page_size, dtype, num_layers, num_kv_heads, head_dim)
         self.free_pages = list(range(1, num_pages + 1))  # page 0 is reserved
-        _lk_random.Random(seed).shuffle(self.free_pages)
+        random.Random(seed).shuffle(self.free_pages)
         self.lens: dict[int, int] = {}
         self.backend = ATTENTION_BACKENDS[backend](
             AttentionBackendConfig(

@@ -23,7 +23,7 @@ DEVICE_BACKENDS = [
 PROMPTS = [[5 + (7 * i + j) % 240 for j in range(n)] for i, n in enumerate((9, 70, 33, 70))]
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
+@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama", "tiny-qwen2-moe", "tiny-qwen3-moe"])
 def checkpoint(request, tmp_path_factory):
     config = AutoConfig.from_pretrained(CONFIGS_DIR / f"{request.param}.json")
     config.initializer_range = 0.2  # peaked logits, so argmax ties are rare

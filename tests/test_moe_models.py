@@ -1,4 +1,4 @@
-"""The MoE models end to end on CPU: both checkpoint layouts load, greedy tokens equal transformers'
+"""The MoE models end to end in float32 on the CPU (any machine): both checkpoint layouts load, greedy tokens equal transformers'
 with chunked prefill and radix hits, the trace's expert-load record adds up, and layouts that cannot
 split the experts are refused before anything starts."""
 
@@ -59,7 +59,7 @@ def test_greedy_tokens_equal_transformers_with_chunks_and_cache_hits(checkpoint)
     shared = torch.randint(3, 256, (24,), generator=gen).tolist()
     prompts = [shared + torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 30, 9)]
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-    engine = Engine(model_path=str(path), chunked_prefill_size=16, page_size=4, enable_trace=True)
+    engine = Engine(model_path=str(path), device="cpu", chunked_prefill_size=16, page_size=4, enable_trace=True)
     outs = [engine.generate(input_ids=p, sampling_params=params) for p in prompts]  # one by one: cache hits
     assert sum(s.cache_hit_tokens for s in engine.tracer.steps) >= 2 * 24 - 2 * 4  # whole pages of the prefix
     assert any(s.chunked_rid for s in engine.tracer.steps)
@@ -68,14 +68,14 @@ def test_greedy_tokens_equal_transformers_with_chunks_and_cache_hits(checkpoint)
 
 
 def test_the_trace_records_top_k_experts_per_token_per_moe_layer():
-    engine = Engine(model_path="tiny-qwen3-moe", load_format="dummy", enable_trace=True)
+    engine = Engine(model_path="tiny-qwen3-moe", load_format="dummy", device="cpu", enable_trace=True)
     engine.generate(input_ids=[[5, 6, 7, 8, 9], [10, 11, 12]], sampling_params={"max_new_tokens": 3})
     config = engine.model_runner.hf_config
     for step in engine.tracer.steps:
         assert step.expert_tokens is not None and len(step.expert_tokens) == config.num_hidden_layers
         for row in step.expert_tokens:
             assert len(row) == config.num_experts and sum(row) == step.num_tokens * config.num_experts_per_tok
-    dense = Engine(model_path="tiny-qwen3", load_format="dummy", enable_trace=True)
+    dense = Engine(model_path="tiny-qwen3", load_format="dummy", device="cpu", enable_trace=True)
     dense.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
     assert all(step.expert_tokens is None for step in dense.tracer.steps)
 

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from labkit import Engine
+from labkit.bench.moe_roofline import expert_share
 from labkit.bench.offline import left_pad, make_requests
 from labkit.model_loader.loader import CONFIGS_DIR
 
@@ -74,6 +75,7 @@ class Profile:
     decode: StepStats = field(default_factory=StepStats)
     extend: StepStats = field(default_factory=StepStats)
     prefill_attn_pairs: int = 0  # sum over prefill tokens of the context each attends to
+    decode_batch_sizes: list[int] = field(default_factory=list)  # an MoE step reads the experts its batch chose
 
 
 def make_workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -104,6 +106,7 @@ def instrument(engine: Engine, profile: Profile):
         stats.tokens += fb.num_tokens
         if fb.forward_mode.is_decode():
             stats.kv_tokens_read += sum(fb.seq_lens_cpu)
+            profile.decode_batch_sizes.append(fb.batch_size)
             graphs = runner.cuda_graph_runner
             stats.graph_steps += int(graphs is not None and graphs.can_run(fb))
         else:
@@ -342,15 +345,25 @@ def bench_hf_padded(args, prompts, out_lens) -> Run:
 def roofline(engine: Engine, profile: Profile, bandwidth: float, rate: float) -> dict[str, float]:
     """Decode: weights + the KV of every running sequence read once per step, at HBM bandwidth.
     Prefill: 2 FLOPs per layer weight per token plus attention (QK^T and PV over each token's
-    context), at the bf16 matrix rate (the lm_head of the last tokens is left out)."""
+    context), at the bf16 matrix rate (the lm_head of the last tokens is left out). MoE models: a
+    decode step reads the experts its batch is expected to choose (moe_roofline), a prefill token
+    computes with its top-k experts only."""
     runner = engine.model_runner
     wbytes = weight_bytes(engine)
     kv_per_token = runner.token_to_kv_pool.bytes_per_token()
     d = profile.decode
-    decode_bytes = d.steps * wbytes + d.kv_tokens_read * kv_per_token
     cfg = runner.hf_config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layer_params = sum(p.numel() for p in runner.model.model.layers.parameters())
+    experts = expert_share(runner.model, getattr(cfg, "num_experts_per_tok", 0))
+    if experts is None:
+        decode_weight_bytes = d.steps * wbytes
+    else:
+        dense = wbytes - experts.num_experts * experts.bytes_per_expert
+        active = sum(experts.expected_active(b) for b in profile.decode_batch_sizes)
+        decode_weight_bytes = d.steps * dense + active * experts.bytes_per_expert
+        layer_params -= (experts.num_experts - experts.top_k) * experts.params_per_expert
+    decode_bytes = decode_weight_bytes + d.kv_tokens_read * kv_per_token
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     prefill_flops = (
         2 * layer_params * profile.extend.tokens
         + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * profile.prefill_attn_pairs
