@@ -1,6 +1,6 @@
-"""The MoE models end to end in float32 on the CPU (any machine): both checkpoint layouts load, greedy tokens equal transformers'
-with chunked prefill and radix hits, the trace's expert-load record adds up, and layouts that cannot
-split the experts are refused before anything starts."""
+"""The MoE models end to end in float32 on the CPU (any machine): both checkpoint layouts load,
+greedy tokens equal transformers' with chunked prefill and radix hits, the trace's expert-load record
+adds up, and layouts that cannot split the experts are refused before anything starts."""
 
 from __future__ import annotations
 
