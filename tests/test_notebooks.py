@@ -52,6 +52,7 @@ def test_the_teaching_notebooks_are_there():
         "05_scheduling_policies",
         "06_serving",
         "08_parallelism",
+        "09_moe",
     } <= names
 
 

@@ -202,3 +202,18 @@ def test_from_perfetto_reads_back_the_records(tmp_path):
         {k: v for k, v in e.items() if k not in ("ts", "dur")} for e in first
     ]
     assert [e.get("ts") for e in again] == pytest.approx([e.get("ts") for e in first], abs=1e-3)
+
+
+def test_detach_moves_every_record_list_including_other_ranks_steps():
+    t = Tracer()
+    pool = PoolUsage(total=8, free=8, evictable=0, protected=0, request_owned=0)
+    step = dict(start=0.0, end=1.0, forward_mode="DECODE", rids=["a"], extend_lens=[1], prefix_lens=[3])
+    t.step(StepRecord(step=1, num_tokens=1, cache_hit_tokens=0, pool=pool, running=1, waiting=0, **step))
+    t.rank_steps.append(
+        StepRecord(step=1, num_tokens=1, cache_hit_tokens=0, pool=pool, running=1, waiting=0, rank=1, **step)
+    )
+    t.station("a", Station.FORWARD, 0.0, 1.0, step=1)
+    copy = t.detach()
+    assert (len(copy.steps), len(copy.rank_steps), len(copy.events)) == (1, 1, 1)
+    assert copy.rank_steps[0].rank == 1
+    assert not (t.steps or t.rank_steps or t.events or t.tree_events or t.snapshots)

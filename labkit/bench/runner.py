@@ -35,17 +35,6 @@ def add_request(engine: Engine, r: Request, **kwargs: Any) -> str:
     )
 
 
-def _detach(tracer: Tracer | None) -> Tracer | None:
-    """A copy of the tracer's records; the engine's tracer is emptied for the next run."""
-    if tracer is None:
-        return None
-    copy = Tracer(tracer.max_tokens, tracer.record_snapshots)
-    copy.events, copy.steps = list(tracer.events), list(tracer.steps)
-    copy.tree_events, copy.snapshots = list(tracer.tree_events), list(tracer.snapshots)
-    tracer.clear()
-    return copy
-
-
 def run_requests(
     engine: Engine,
     requests: list[Request],
@@ -99,7 +88,10 @@ def run_requests(
             steps += 1
     wall = time.perf_counter() - start
     results = {rid: engine.results.pop(rid) for rid in rids if rid in engine.results}
-    tracer = (_detach(engine.tracer) if fresh else engine.tracer) or Tracer(record_snapshots=False)
+    if engine.tracer is None:
+        tracer = Tracer(record_snapshots=False)
+    else:
+        tracer = engine.tracer.detach() if fresh else engine.tracer
     return Run(tracer, engine.tokenizer, label, results, engine.config, wall)
 
 

@@ -131,6 +131,7 @@ class SchedulerMetricsMixin:
                 blocked=out.blocked,
                 rank=self.tp.rank,
                 comm_calls=comm.calls,
+                comm_bytes=comm.bytes,
                 comm_seconds=comm.seconds,
                 sampled_digest=zlib.crc32(repr(sorted(out.new_token_ids.items())).encode()),
                 expert_tokens=out.expert_tokens,

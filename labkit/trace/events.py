@@ -65,6 +65,7 @@ class StepRecord:
     blocked: dict[str, str] = field(default_factory=dict)
     rank: int = 0  # the tensor-parallel rank that ran it (every rank runs every step)
     comm_calls: int = 0  # its collectives (all-reduce, all-gather) this step
+    comm_bytes: int = 0  # the tensors they returned (CommStats)
     comm_seconds: float = 0.0  # time in them, where they block (gloo on CPU; 0 on CUDA, see CommStats)
     sampled_digest: int = 0  # crc32 of the (rid, token) pairs it took: equal on every rank of a step
     # MoE models: tokens routed to each expert, [MoE layer][expert] (global expert ids; every rank

@@ -26,8 +26,8 @@ STEP_COLUMNS = [
 ]  # fmt: skip
 TREE_COLUMNS = ["kind", "time", "node_id", "parent_id", "num_tokens", "tokens"]
 RANK_COLUMNS = [
-    "step", "rank", "start", "end", "duration", "forward_mode", "num_tokens", "comm_calls", "comm_seconds",
-    "sampled_digest",
+    "step", "rank", "start", "end", "duration", "forward_mode", "num_tokens", "comm_calls", "comm_bytes",
+    "comm_seconds", "sampled_digest",
 ]  # fmt: skip
 POOL_FIELDS = ("free", "evictable", "protected", "request_owned")
 
@@ -156,7 +156,8 @@ def to_perfetto(tracer: Tracer) -> dict[str, Any]:
             "num_tokens": s.num_tokens, "cache_hit_tokens": s.cache_hit_tokens,
             "pool": {"total": s.pool.total, **pool}, "running": s.running, "waiting": s.waiting,
             "chunked_rid": s.chunked_rid, "finished": s.finished, "retracted": s.retracted,
-            "blocked": s.blocked, "rank": s.rank, "comm_calls": s.comm_calls, "comm_seconds": s.comm_seconds,
+            "blocked": s.blocked, "rank": s.rank, "comm_calls": s.comm_calls,
+            "comm_bytes": s.comm_bytes, "comm_seconds": s.comm_seconds,
             "sampled_digest": s.sampled_digest, "expert_tokens": s.expert_tokens,
         }  # fmt: skip
         out.append({

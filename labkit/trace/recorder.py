@@ -98,6 +98,15 @@ class Tracer:
                 return snap
         return None
 
+    def detach(self) -> Tracer:
+        """A new tracer holding every record made so far (every rank's steps included); this one is
+        emptied and stays attached to its components for the next run."""
+        copy = Tracer(self.max_tokens, self.record_snapshots)
+        copy.events, copy.steps, copy.rank_steps = list(self.events), list(self.steps), list(self.rank_steps)
+        copy.tree_events, copy.snapshots = list(self.tree_events), list(self.snapshots)
+        self.clear()
+        return copy
+
     def clear(self) -> None:
         """Drop all records (keeps the tracer attached to its components)."""
         self.events.clear()

@@ -9,6 +9,7 @@ value of a cell), tables are pandas DataFrames.
     draw_kv_pool(kv_snapshot(engine))          # request-to-token table and page pool, live
     draw_stations_by_process(from_perfetto("trace.json"))   # a server trace: stations by process
     draw_rank_timeline(run)                    # tensor parallelism: every rank's steps, time in collectives
+    draw_expert_load(run, layer=0); expert_load(run); load_imbalance(run)   # MoE: tokens per expert per step
     StationStepper(run, rid).show(); RunReplayer(run).show()   # ipywidgets, static fallback
 
 How the tree is rebuilt per step: the scheduler's trace hook records a compact TreeSnapshot (nodes
@@ -26,6 +27,7 @@ from labkit.viz.kvpool import (
     req_to_token_table,
 )
 from labkit.viz.memory import draw_memory, memory_frame
+from labkit.viz.moe import draw_expert_load, expert_load, load_imbalance
 from labkit.viz.policies import draw_policy_comparison
 from labkit.viz.processes import draw_stations_by_process
 from labkit.viz.ranks import draw_rank_timeline, rank_steps
@@ -64,9 +66,9 @@ def _figure_png(fig) -> tuple[bytes, dict[str, int]]:
 _register_png_formatter()
 
 __all__ = [
-    "Run", "RunReplayer", "StationStepper", "batch_frame", "cells_frame", "describe_request", "draw_journey",
-    "draw_kv_pool", "draw_memory", "draw_policy_comparison", "draw_radix_tree", "draw_rank_timeline",
-    "draw_stations_by_process", "draw_timeline", "draw_timelines", "draw_waiting", "fragmentation",
-    "journey_latency", "kv_snapshot", "memory_frame", "page_owners", "rank_steps", "req_to_token_table",
-    "waiting_frame", "waiting_table", "widget_frontend",
+    "Run", "RunReplayer", "StationStepper", "batch_frame", "cells_frame", "describe_request", "draw_expert_load",
+    "draw_journey", "draw_kv_pool", "draw_memory", "draw_policy_comparison", "draw_radix_tree",
+    "draw_rank_timeline", "draw_stations_by_process", "draw_timeline", "draw_timelines", "draw_waiting",
+    "expert_load", "fragmentation", "journey_latency", "kv_snapshot", "load_imbalance", "memory_frame",
+    "page_owners", "rank_steps", "req_to_token_table", "waiting_frame", "waiting_table", "widget_frontend",
 ]  # fmt: skip
