@@ -1,7 +1,9 @@
 """Triton kernels (import path labkit.kernels), each with a plain-PyTorch reference in
 labkit.kernels.reference: store_kv (kv_cache.py), decode_attention (decode.py), extend_attention
 (extend.py), rmsnorm and fused_add_rmsnorm (norm.py), rotary_embedding (rotary.py), silu_and_mul
-(activation.py). `python -m labkit.kernels.bench` times the attention kernels on a GPU.
+(activation.py), moe_align_block_size (moe_align.py) and fused_moe (fused_moe.py).
+`python -m labkit.kernels.bench` times the attention kernels on a GPU, `python -m
+labkit.kernels.bench_moe` the mixture-of-experts kernels.
 
 Without a CUDA device Triton can only run kernels through its interpreter (numpy on the CPU, slow
 but exact enough for tests and teaching). Triton reads that switch (TRITON_INTERPRET=1) when it
@@ -11,7 +13,9 @@ sets the switch just before Triton is first imported (by this package or by torc
 from labkit.kernels.activation import silu_and_mul
 from labkit.kernels.decode import decode_attention, decode_kv_splits
 from labkit.kernels.extend import ExtendPlan, extend_attention
+from labkit.kernels.fused_moe import fused_moe
 from labkit.kernels.kv_cache import store_kv
+from labkit.kernels.moe_align import moe_align_block_size
 from labkit.kernels.norm import fused_add_rmsnorm, rmsnorm
 from labkit.kernels.rotary import rotary_embedding
 
@@ -21,6 +25,8 @@ __all__ = [
     "decode_kv_splits",
     "extend_attention",
     "fused_add_rmsnorm",
+    "fused_moe",
+    "moe_align_block_size",
     "rmsnorm",
     "rotary_embedding",
     "silu_and_mul",

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit.attention.reference import dense_attention
+from labkit.layers.moe.torch_path import fused_moe_torch
 
 
 def reference_store_kv(
@@ -109,3 +110,32 @@ def reference_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2d] = cat(gate, up) -> silu(gate) * up [..., d], computed in float32."""
     gate, up = x.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(x.dtype)
+
+
+def reference_moe_align_block_size(
+    topk_ids: torch.Tensor, block_size: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_align_block_size's three buffers, equal to its entry for entry: the pairs (flat indices of
+    topk_ids) with an id in [0, num_experts) sorted by expert, ascending flat index within an expert,
+    each expert's group padded to a multiple of block_size with the sentinel T * k, which also fills
+    the buffer's tail; expert_ids names each block's expert, -1 past the last."""
+    flat = topk_ids.reshape(-1).long()
+    numel = flat.numel()
+    valid = (flat >= 0) & (flat < num_experts)
+    counts = torch.bincount(flat[valid], minlength=num_experts)
+    padded = (counts + block_size - 1) // block_size * block_size
+    starts = padded.cumsum(0) - padded
+    order = torch.argsort(torch.where(valid, flat, num_experts), stable=True)[: int(valid.sum())]
+    experts = flat[order]
+    rank = torch.arange(order.numel(), device=flat.device) - (counts.cumsum(0) - counts)[experts]
+    max_len = numel + min(num_experts, numel) * (block_size - 1)  # the kernel's worst case
+    sorted_ids = torch.full((max_len,), numel, dtype=torch.int32, device=flat.device)
+    sorted_ids[starts[experts] + rank] = order.to(torch.int32)
+    expert_ids = torch.full((-(-max_len // block_size),), -1, dtype=torch.int32, device=flat.device)
+    blocks = torch.repeat_interleave(torch.arange(num_experts, device=flat.device), padded // block_size)
+    expert_ids[: blocks.numel()] = blocks.to(torch.int32)
+    return sorted_ids, expert_ids, padded.sum().reshape(1).to(torch.int32)
+
+
+# The MoE layer's path off CUDA is plain torch already: it is fused_moe's reference.
+reference_fused_moe = fused_moe_torch

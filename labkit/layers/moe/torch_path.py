@@ -1,5 +1,5 @@
-"""The mixture-of-experts computation in plain torch: the CPU path of the MoE layer and the reference
-the fused Triton kernel (labkit.kernels.fused_moe) is tested against."""
+"""The mixture-of-experts computation in plain torch: the MoE layer's path off CUDA, and the
+reference labkit.kernels.fused_moe is tested against (kernels/reference.py re-exports it)."""
 
 from __future__ import annotations
 
@@ -14,25 +14,31 @@ def fused_moe_torch(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """hidden [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], topk_weights [T, k],
-    topk_ids [T, k] (-1 = an expert held by another rank: contributes nothing) -> [T, H] in hidden's
-    dtype: out[t] = sum_j w[t, j] * w2[e] @ (silu(g) * u), [g | u] = w13[e] @ hidden[t], e = ids[t, j].
+    """The mixture of experts in plain torch (the CPU path of the MoE layer, and the reference that
+    labkit.kernels.fused_moe is tested against): hidden [T, H], w13 [E, 2I, H] (gate rows, then up rows),
+    w2 [E, H, I], topk_weights and topk_ids [T, k] -> out [T, H] in hidden's dtype with
+    out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u), [g | u] = w13[e] @ hidden[t],
+    e = topk_ids[t, j]; slots with an id outside [0, E) (-1: another rank's expert) add nothing.
 
-    One loop iteration per expert that received tokens (no per-token loop); each expert's matmuls run
-    in the weights' dtype, the weighted sum accumulates in float32."""
-    out = torch.zeros(hidden.shape[0], hidden.shape[1], dtype=torch.float32, device=hidden.device)
-    flat_ids = topk_ids.reshape(-1)
-    order = flat_ids.argsort(stable=True)  # the (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat_ids[flat_ids >= 0], minlength=w13.shape[0]).tolist()
-    start = int((flat_ids < 0).sum())  # the -1 pairs sort first
-    k = topk_ids.shape[1]
+    Fast enough to be a CPU path, not only a test oracle: one iteration per expert that received
+    pairs (one host sync for the counts, no per-token loop), each running that expert's two matmuls
+    on all its tokens at once in the weights' dtype (torch accumulates them in float32), silu * up in
+    float32 rounded to hidden's dtype (as silu_and_mul does), and the weighted sum in float32."""
+    num_experts, k = w13.shape[0], topk_ids.shape[1]
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    flat = topk_ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < num_experts)
+    order = torch.argsort(torch.where(valid, flat, num_experts), stable=True)  # pairs grouped by expert
+    counts = torch.bincount(flat[valid], minlength=num_experts).tolist()
+    weights = topk_weights.reshape(-1).float()
+    start = 0
     for expert, n in enumerate(counts):
         if n == 0:
             continue
         pairs = order[start : start + n]
         start += n
         tokens = pairs // k
-        gate, up = F.linear(hidden[tokens], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])
-        out.index_add_(0, tokens, y.float() * topk_weights.reshape(-1)[pairs, None].float())
+        gate, up = F.linear(hidden[tokens], w13[expert]).float().chunk(2, dim=-1)
+        act = (F.silu(gate) * up).to(hidden.dtype)
+        out.index_add_(0, tokens, F.linear(act, w2[expert]).float() * weights[pairs, None])
     return out.to(hidden.dtype)
