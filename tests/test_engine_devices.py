@@ -151,7 +151,13 @@ def test_cuda_backends_agree_on_greedy_outputs_in_bfloat16(checkpoint, variant):
     request agrees up to its first difference, and there torch_native's top-2 gap is small. (How many
     requests reach such a tie varies: on tiny-llama's random weights, 7 of 12 did in one H200 run,
     several at exact bf16 ties; test_bfloat16_logprobs_are_within_bfloat16_noise_of_transformers
-    bounds the logprobs themselves.)"""
+    bounds the logprobs themselves.)
+
+    Not for the MoE models: there a rounding difference can flip a token's choice among near-tied
+    experts, which moves the logits by far more than bf16 noise (top-2 gaps up to 1.3 at the first
+    difference on an H200); their logprobs are bounded against transformers above."""
+    if "moe" in checkpoint.name:
+        pytest.skip("expert routing amplifies rounding differences between backends")
     prompts = [[5 + (37 * i + 11 * j) % 240 for j in range(30 + 17 * i)] for i in range(12)]
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True, "return_logprob": True, "top_logprobs_num": 2}
     outs = {}
