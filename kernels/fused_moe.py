@@ -3,9 +3,11 @@
 A pair is one (token, slot) of the routing. Each program of the grouped GEMM takes one (block,
 column tile): it gathers its block's rows of A, multiplies them by a column tile of the block's
 expert's weight and scatters the result to the pairs' rows; padding rows are masked out. The first
-GEMM computes [gate | up] = hidden @ w13[e]^T per pair, silu_and_mul makes silu(gate) * up, the
-second GEMM multiplies by w2[e]^T and by the pair's routing weight, and a last kernel sums each
-token's k rows in float32.
+GEMM computes silu(gate) * up per pair in its epilogue: a program's column tile n of the
+intermediate dim multiplies the same loads of A by the gate rows n and the up rows I + n of w13[e]
+into two float32 accumulators, and stores silu(gate) * up rounded once ([pairs, I]; [gate | up] is
+never written). The second GEMM multiplies by w2[e]^T and by the pair's routing weight, and a last
+kernel sums each token's k rows in float32: three kernels (plus moe_align_block_size's if SORTED).
 
 The blocks: moe_align_block_size's (SORTED 1: the pairs grouped by expert, BLOCK_SIZE_M to a block,
 so a block reads its expert's weights once for all its pairs; blocks past the padded length end at
@@ -19,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from labkit.kernels.activation import silu_and_mul
 from labkit.kernels.moe_align import moe_align_block_size
 
 CONFIG_KEYS = ("SORTED", "BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
@@ -48,7 +49,14 @@ def default_config(num_tokens: int) -> dict[str, int]:
     64 and 128-deep K steps over 4 stages keep ~64 KiB of weight loads in flight per program; the
     decode timings moved by under 10% over N 16-128, K 64-256, 2-8 warps and 3-6 stages. From a few
     hundred tokens on, experts get tens of pairs: taller blocks read a weight tile for more rows, and
-    GROUP_SIZE_M runs an expert's neighbouring blocks together so its weights come from L2."""
+    GROUP_SIZE_M runs an expert's neighbouring blocks together so its weights come from L2.
+
+    These timings and choices were measured on an H100 before silu_and_mul was fused into the first
+    GEMM. Since then BLOCK_SIZE_N is, in the first GEMM, a tile of the intermediate dim for which a
+    program reads both the gate and the up rows: twice the weight rows (and shared memory per stage)
+    of a program of the second GEMM, and half as many programs as before. The values are unchanged;
+    re-measure them (python -m labkit.kernels.bench_moe --tune) before reading the numbers above as
+    the current kernel's."""
     values = next(row[1:] for row in _CONFIGS if row[0] is None or num_tokens <= row[0])
     return dict(zip(CONFIG_KEYS, values))
 
@@ -76,6 +84,7 @@ def _moe_gemm_kernel(
     stride_cm,
     stride_cn,
     PAIRS_PER_A_ROW: tl.constexpr,  # top_k when A has one row per token, 1 for one row per pair
+    GATED: tl.constexpr,  # B is [E, 2N, K] (gate rows, then up rows): C = silu(A @ gate^T) * (A @ up^T)
     MUL_ROUTING_WEIGHT: tl.constexpr,
     SORTED: tl.constexpr,  # blocks from moe_align_block_size, else one pair per block
     DOT_PRECISION: tl.constexpr,
@@ -111,18 +120,30 @@ def _moe_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     a_ptrs = A + (pairs // PAIRS_PER_A_ROW).to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = B + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    n_mask = offs_n < N
     acc = tl.zeros([BLOCK_SIZE_M, BLOCK_SIZE_N], dtype=tl.float32)
+    if GATED:
+        # The up rows N + offs_n of the same expert, multiplied by the same loads of A.
+        up_ptrs = B + expert * stride_be + (offs_n + N)[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+        acc_up = tl.zeros([BLOCK_SIZE_M, BLOCK_SIZE_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_SIZE_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & (offs_n[None, :] < N), other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            b_up = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            up_ptrs += BLOCK_SIZE_K * stride_bk
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
+    if GATED:
+        # silu(gate) * up in float32, as silu_and_mul computes it (padding rows hold zeros: no overflow).
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_ROUTING_WEIGHT:
         acc *= tl.load(Topk_weights + pairs, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     c_ptrs = C + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=row_mask[:, None] & (offs_n[None, :] < N))
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -149,11 +170,15 @@ def _grouped_gemm(
     blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     pairs_per_a_row: int,
     config: dict[str, int],
+    gated: bool = False,
 ) -> None:
     """c[pair] = a[pair // pairs_per_a_row] @ b[e]^T (* topk_weights[pair]), b [E, N, K], e = ids[pair],
-    for every pair whose expert is here. blocks: moe_align_block_size's output, or None for one pair
-    per block (no sorting)."""
-    n, k = b.shape[1], b.shape[2]
+    for every pair whose expert is here. gated: b is [E, 2N, K] (gate rows, then up rows) and
+    c[pair] = silu(x @ gate[e]^T) * (x @ up[e]^T), x = a[pair // pairs_per_a_row], in float32 and
+    rounded once to c's dtype. blocks: moe_align_block_size's output, or None for one pair per block
+    (no sorting)."""
+    n, k = b.shape[1] // 2 if gated else b.shape[1], b.shape[2]
+    assert c.shape[1] == n and a.shape[1] == k
     tiles = {key: value for key, value in config.items() if key != "SORTED"}
     sorted_ids, expert_ids, num_post = blocks if blocks is not None else (ids, ids, ids)  # unread if None
     num_blocks_m = expert_ids.shape[0] if blocks is not None else ids.shape[0]
@@ -180,6 +205,7 @@ def _grouped_gemm(
         c.stride(0),
         c.stride(1),
         PAIRS_PER_A_ROW=pairs_per_a_row,
+        GATED=gated,
         MUL_ROUTING_WEIGHT=topk_weights is not None,
         SORTED=blocks is not None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -229,9 +255,9 @@ def fused_moe(
     out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u), [g | u] = w13[e] @ hidden[t],
     e = topk_ids[t, j]. Slots whose id is outside [0, E) (-1: an expert held by another rank) add
     nothing; a token with no such slot gets zeros. float32, float16 or bfloat16 (hidden and weights
-    alike; any strides). Products accumulate in float32; [g | u] and silu(g) * u are rounded to
-    hidden's dtype, the weighted sum is kept in float32 and rounded once. float32 inputs use
-    full-precision (IEEE) matrix products.
+    alike; any strides). Products accumulate in float32; silu(g) * u is computed from the float32
+    g and u and rounded once to hidden's dtype, the weighted sum is kept in float32 and rounded once.
+    float32 inputs use full-precision (IEEE) matrix products.
 
     config: tile settings (keys from CONFIG_KEYS) that override default_config(T). No host sync: the
     call can be captured in a CUDA graph."""
@@ -248,13 +274,9 @@ def fused_moe(
     num_experts, inter = w13.shape[0], w2.shape[2]
     num_pairs = num_tokens * top_k
     blocks = moe_align_block_size(topk_ids, config["BLOCK_SIZE_M"], num_experts) if config["SORTED"] else None
-    # Rows of pairs whose expert is not here are never written in gate_up, act or y, and nothing reads
-    # them; silu_and_mul still runs over them, so they start as zeros where that runs in numpy (the
-    # interpreter), which would warn on garbage overflowing exp().
-    alloc = hidden.new_empty if hidden.is_cuda else hidden.new_zeros
-    gate_up = alloc(num_pairs, 2 * inter)
-    _grouped_gemm(hidden, w13, gate_up, None, ids, blocks, top_k, config)
-    act = silu_and_mul(gate_up)
+    # Rows of pairs whose expert is not here are never written in act or y, and nothing reads them.
+    act = hidden.new_empty(num_pairs, inter)
+    _grouped_gemm(hidden, w13, act, None, ids, blocks, top_k, config, gated=True)
     y = torch.empty(num_pairs, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     _grouped_gemm(act, w2, y, weights, ids, blocks, 1, config)
     block_h = min(1024, triton.next_power_of_2(hidden.shape[1]))

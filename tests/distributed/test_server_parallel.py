@@ -231,3 +231,20 @@ def test_aborts_flush_info_and_metrics_cover_every_replica():
         assert "num_running_reqs 0" in metrics.replace(".0", "") and "aborted_requests_total" in metrics
     finally:
         assert server.stop() == 0
+
+
+def test_an_expert_parallel_moe_server_gives_the_single_device_tokens_and_leaks_nothing():
+    rng = random.Random(2)
+    work = [[rng.randrange(256) for _ in range(rng.randrange(1, 60))] for _ in range(8)]
+    engine = Engine(model_path="tiny-qwen3-moe", load_format="dummy", max_total_tokens=4096)
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    expected = [o["output_ids"] for o in engine.generate(input_ids=work, sampling_params=params)]
+    moe = ("--model-path", "tiny-qwen3-moe", "--load-format", "dummy", "--max-total-tokens", "4096")
+    server = start_server(*moe, "--tp-size", "2", "--ep-size", "2")
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda i: _generate(server, work[i], 12, f"m{i}"), range(len(work))))
+        assert [o["output_ids"] for o in outs] == expected  # each rank holds 8 of the 16 experts
+        _wait_idle(server)
+    finally:
+        assert server.stop() == 0

@@ -78,6 +78,15 @@ def test_fused_moe_with_other_tile_configs(config, dtype, device, gen, check_clo
     _check(_problem(11, 8, 3, 48, 40, dtype, gen, device, 0.2), dtype, check_close, config)
 
 
+@pytest.mark.parametrize("layout", [0, 1], ids=["unsorted", "sorted"])
+def test_fused_moe_with_intermediate_not_a_multiple_of_block_n(layout, dtype, device, gen, check_close):
+    """The first GEMM makes silu(gate) * up per BLOCK_SIZE_N columns of the intermediate dim, reading
+    gate rows n and up rows I + n of the expert: I 19 over N tiles of 16 leaves a last tile of 3
+    columns (the rows it masks off lie past the expert's up rows), H 37 a last K step of 5."""
+    config = {"SORTED": layout, "BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 16, "BLOCK_SIZE_K": 16, "GROUP_SIZE_M": 2}
+    _check(_problem(9, 6, 3, 37, 19, dtype, gen, device, 0.2), dtype, check_close, config)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 5, 9, 70])
 def test_default_configs_cover_both_block_layouts(num_tokens, dtype, device, gen, check_close):
     """Decode batches run unsorted (SORTED 0), larger ones sorted; both against the references."""
