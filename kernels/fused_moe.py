@@ -180,6 +180,7 @@ def _grouped_gemm(
     n, k = b.shape[1] // 2 if gated else b.shape[1], b.shape[2]
     assert c.shape[1] == n and a.shape[1] == k
     tiles = {key: value for key, value in config.items() if key != "SORTED"}
+    tiles["num_stages"] = _stages_that_fit(tiles, a.element_size(), gated, a.device)
     sorted_ids, expert_ids, num_post = blocks if blocks is not None else (ids, ids, ids)  # unread if None
     num_blocks_m = expert_ids.shape[0] if blocks is not None else ids.shape[0]
     grid = (num_blocks_m * triton.cdiv(n, config["BLOCK_SIZE_N"]),)
@@ -211,6 +212,19 @@ def _grouped_gemm(
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         **tiles,
     )
+
+
+def _stages_that_fit(tiles: dict[str, int], element_size: int, gated: bool, device: torch.device) -> int:
+    """The config's pipeline depth, lowered until the stages' A and B tiles fit the device's shared
+    memory: the gated GEMM holds two B tiles, and float32 doubles every tile, so a depth chosen for
+    16-bit weights can exceed it (Hopper's 227 KiB: a 64x128x64 float32 gated tile, 3 stages)."""
+    stages = tiles.get("num_stages", 3)
+    if device.type != "cuda":
+        return stages
+    limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    m, n, k = tiles["BLOCK_SIZE_M"], tiles["BLOCK_SIZE_N"], tiles["BLOCK_SIZE_K"]
+    per_stage = (m * k + (2 if gated else 1) * n * k) * element_size
+    return max(1, min(stages, limit // per_stage))
 
 
 def _check(

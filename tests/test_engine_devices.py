@@ -93,10 +93,12 @@ def test_bfloat16_logprobs_are_within_bfloat16_noise_of_transformers(checkpoint,
         for step, (lp, tok) in enumerate(out["meta_info"]["output_token_logprobs"]):
             diffs.append(abs(lp - logprobs[len(prompt) - 1 + step, tok].item()))
     # bfloat16 keeps 8 bits: ~0.4% per rounding, through the layers. In an MoE model a token whose
-    # router scores two experts within that noise may take the other one (a max of 0.16 on
-    # tiny-qwen2-moe with torch_native, on an H200): the mean stays as tight.
-    assert max(diffs) < (0.5 if "moe" in checkpoint.name else 0.15), max(diffs)
-    assert sum(diffs) / len(diffs) < 0.03, sum(diffs) / len(diffs)
+    # router scores two experts within that noise may take the other one, and the fused MoE kernel
+    # rounds once where transformers rounds gate and up first (on an H200: a max of 0.16 and means
+    # up to 0.031 on the tiny MoE models).
+    moe = "moe" in checkpoint.name
+    assert max(diffs) < (0.5 if moe else 0.15), max(diffs)
+    assert sum(diffs) / len(diffs) < (0.05 if moe else 0.03), sum(diffs) / len(diffs)
 
 
 @NO_CUDA

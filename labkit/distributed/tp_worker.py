@@ -40,7 +40,8 @@ def check_tp_shapes(hf_config: Any, tp_size: int, ep_size: int = 1) -> None:
             tp = TPGroup(rank=0, size=tp_size, ep_size=ep_size)
             get_model_class(hf_config.architectures)(hf_config, torch.float32, tp)
         except ValueError as e:
-            raise ValueError(f"tp_size {tp_size} (ep_size {ep_size}) does not fit the model: {e}") from None
+            experts = f" with ep_size {ep_size}" if ep_size > 1 else ""
+            raise ValueError(f"tp_size {tp_size} does not fit the model{experts}: {e}") from None
 
 
 def run_tp_follower(config: EngineConfig, rank: int, init_addr: str) -> None:
