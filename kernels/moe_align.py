@@ -39,7 +39,7 @@ def _ranks_in_tile(hit):
 
 
 @triton.jit
-def _count_kernel(
+def _moe_align_count_kernel(
     Topk_ids,
     Ranks,
     Counts,
@@ -64,7 +64,7 @@ def _count_kernel(
 
 
 @triton.jit
-def _scatter_kernel(
+def _moe_align_scatter_kernel(
     Topk_ids,
     Ranks,
     Counts,
@@ -181,12 +181,12 @@ def moe_align_block_size(
     ranks = torch.empty(0 if one_tile else numel, dtype=torch.int32, device=device)
     counts = torch.empty(0 if one_tile else num_chunks, e_pad, dtype=torch.int32, device=device)
     if not one_tile:
-        _count_kernel[(num_chunks,)](
+        _moe_align_count_kernel[(num_chunks,)](
             ids, ranks, counts, numel, chunk, E=num_experts, E_PAD=e_pad, BLOCK_T=tile, num_warps=NUM_WARPS
         )
     # More programs than chunks where the padding is long (many experts, few pairs each).
     programs = max(num_chunks, min(triton.cdiv(max_len, tile), MAX_PROGRAMS))
-    _scatter_kernel[(programs,)](
+    _moe_align_scatter_kernel[(programs,)](
         ids,
         ranks,
         counts,

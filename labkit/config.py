@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 @dataclass
 class EngineConfig:
     """Options of the Engine and of the server's scheduler process (`Engine(**overrides)` takes the
-    same names). The choices of schedule_policy and attention_backend are their registries' names."""
+    same names). The choices of schedule_policy, attention_backend and grammar_backend are their
+    registries' names."""
 
     # Model
     model_path: str | None = field(
@@ -59,6 +60,13 @@ class EngineConfig:
     disable_radix_cache: bool = field(default=False, metadata={"help": "no prefix sharing (ChunkCache)"})
     schedule_conservativeness: float = field(
         default=1.0, metadata={"help": "scales the decode reservation of admitted requests"}
+    )
+    grammar_backend: str = field(
+        default="xgrammar",
+        metadata={
+            "help": "grammar backend of structured output (json_schema, regex, ebnf, response_format); none "
+            "refuses such requests"
+        },
     )
     # Execution
     attention_backend: str = field(default="auto", metadata={"help": "auto: triton on CUDA, torch_native on CPU"})

@@ -248,6 +248,9 @@ class Engine:
         if req.sampling_params.return_logprob:
             meta["output_token_logprobs"] = list(zip(req.output_token_logprobs, req.output_ids))
             meta["output_top_logprobs"] = req.output_top_logprobs
+        if req.sampling_params.wants_input_logprobs:
+            meta["input_token_logprobs"] = req.input_token_logprob_pairs()
+            meta["input_top_logprobs"] = req.input_top_logprobs
         return {
             "text": "".join(state.pieces) if self.tokenizer is not None else None,
             "output_ids": list(req.output_ids),

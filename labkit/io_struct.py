@@ -115,6 +115,9 @@ class ReqOutput(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Prompt logprobs, (logprob, token id) per scored prompt token, with a request's first output only:
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     detokenize: DetokenizeParams | None = None  # scheduler -> detokenizer only
     text: str = ""  # detokenizer -> tokenizer manager: the new text piece
 

@@ -243,10 +243,17 @@ async def _control(manager: TokenizerManager, action: str):
 def native_logprobs(choice: Choice) -> dict[str, Any]:
     """SGLang's /generate logprob fields, when they were asked for: per output token (logprob,
     token id, None) and its top alternatives in the same shape (the None is SGLang's token text,
-    which it only fills with return_text_in_logprobs)."""
-    if not choice.logprobs:
+    which it only fills with return_text_in_logprobs); with logprob_start_len, the prompt tokens' too
+    (the prompt's first token has a None logprob and None alternatives)."""
+    if not choice.logprobs and not choice.prompt_logprobs:
         return {}
-    return {
+    out: dict[str, Any] = {
         "output_token_logprobs": [[lp, tok, None] for tok, lp, _ in choice.logprobs],
         "output_top_logprobs": [[[lp, t, None] for t, lp in (top or [])] for _, _, top in choice.logprobs],
     }
+    if choice.prompt_logprobs:
+        out["input_token_logprobs"] = [[lp, tok, None] for tok, lp, _ in choice.prompt_logprobs]
+        out["input_top_logprobs"] = [
+            None if top is None else [[lp, t, None] for t, lp in top] for _, _, top in choice.prompt_logprobs
+        ]
+    return out

@@ -33,6 +33,8 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[int, float, list[tuple[int, float]] | None]] = field(default_factory=list)
+    # The prompt tokens' (token id, logprob, top alternatives), when asked for (the first has no logprob).
+    prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     cached_tokens: int = 0
 
@@ -40,6 +42,10 @@ class Choice:
         self.text += out.text
         self.token_ids += out.token_ids
         self.cached_tokens = out.cached_tokens
+        if out.input_token_logprobs is not None:
+            pairs = out.input_token_logprobs
+            prompt_tops: list[list[tuple[int, float]] | None] = out.input_top_logprobs or [None] * len(pairs)
+            self.prompt_logprobs = [(tok, lp, top) for (lp, tok), top in zip(pairs, prompt_tops)]
         if out.token_logprobs is not None:
             tops = out.top_logprobs or [None] * len(out.token_ids)
             self.logprobs += list(zip(out.token_ids, out.token_logprobs, tops))
@@ -63,7 +69,8 @@ class OpenAIServing:
             prompts = req.prompts()
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
-        return await self._serve(req, raw, prompts, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, chat=False)
+        max_new = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        return await self._serve(req, raw, prompts, max_new, chat=False)
 
     async def _serve(self, req, raw: Request, prompts: list[dict], max_new: int, chat: bool) -> Response:
         if req.model != self.model_name:
@@ -87,7 +94,7 @@ class OpenAIServing:
         states = await submit_or_raise(self.tm, gen_reqs, group=resp_id)
         trace_http(self.tm, raw, [s.rid for s in states], parsed)
         choices = [Choice(i, p, s) for i, (p, s) in enumerate(zip(where, states))]
-        fmt = _Formatter(self, resp_id, chat, req)
+        fmt = _Formatter(self, resp_id, chat, req, prompts)
         if req.stream:
             return StreamingResponse(self._stream(fmt, choices, req.include_usage), media_type="text/event-stream")
         try:
@@ -117,6 +124,7 @@ class OpenAIServing:
             await queue.put((choice, None))
 
         tasks = [asyncio.create_task(pump(c)) for c in choices]
+        echoed: set[int] = set()  # choices whose prompt went out (echo: before their first piece)
         try:
             if fmt.chat:
                 for c in choices:
@@ -131,6 +139,9 @@ class OpenAIServing:
                     break
                 else:
                     choice.add(item)
+                    if fmt.echoes is not None and choice.index not in echoed:
+                        echoed.add(choice.index)
+                        yield sse(fmt.echo_chunk(choice))
                     if item.text or item.token_ids and item.token_logprobs is not None:
                         yield sse(fmt.delta_chunk(choice, item))
                     if item.finish_reason is not None:
@@ -155,9 +166,11 @@ class OpenAIServing:
 class _Formatter:
     """OpenAI's JSON shapes for one response (chat or text completion)."""
 
-    def __init__(self, serving: OpenAIServing, resp_id: str, chat: bool, req):
+    def __init__(self, serving: OpenAIServing, resp_id: str, chat: bool, req, prompts: list[dict[str, Any]]):
         self.tm, self.model, self.id, self.chat, self.req = serving.tm, serving.model_name, resp_id, chat, req
         self.created = int(time.time())
+        # echo (completions): each prompt's text, which its choices' text starts with.
+        self.echoes = [self._prompt_text(p) for p in prompts] if not chat and req.echo else None
 
     def _envelope(self, choices: list, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
@@ -171,12 +184,16 @@ class _Formatter:
 
     def delta_chunk(self, c: Choice, out: ReqOutput) -> dict[str, Any]:
         entries = c.logprobs[len(c.logprobs) - len(out.token_ids) :] if out.token_logprobs is not None else None
-        offset = len(c.text) - len(out.text)
+        offset = len(self._echo(c)) + len(c.text) - len(out.text)
         return self.chunk(
             c,
             {"content": out.text} if self.chat else out.text,
             logprobs=self.logprobs(entries, offset) if entries is not None else None,
         )
+
+    def echo_chunk(self, c: Choice) -> dict[str, Any]:
+        """The prompt's text (and its tokens' logprobs, when asked for): a choice's first chunk with echo."""
+        return self.chunk(c, self._echo(c), logprobs=self.logprobs(c.prompt_logprobs) if self._wants_logprobs else None)
 
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         items = []
@@ -184,12 +201,12 @@ class _Formatter:
             item = {
                 "index": c.index,
                 **finish_fields(c.finish),
-                "logprobs": self.logprobs(c.logprobs) if self._wants_logprobs else None,
+                "logprobs": self.logprobs(c.prompt_logprobs + c.logprobs) if self._wants_logprobs else None,
             }
             if self.chat:
                 item["message"] = {"role": "assistant", "content": c.text}
             else:
-                item["text"] = c.text
+                item["text"] = self._echo(c) + c.text
             items.append(item)
         body = self._envelope(items, "chat.completion" if self.chat else "text_completion")
         body["usage"] = usage(choices)
@@ -233,6 +250,17 @@ class _Formatter:
     def _token_text(self, token_id: int) -> str:
         tok = self.tm.tokenizer
         return tok.decode([token_id]) if tok is not None else f"<{token_id}>"
+
+    def _prompt_text(self, prompt: dict[str, Any]) -> str:
+        """A completion prompt as text: as given, or its token ids decoded."""
+        if "text" in prompt:
+            return prompt["text"]
+        ids, tok = prompt["input_ids"], self.tm.tokenizer
+        return tok.decode(ids) if tok is not None else "".join(map(self._token_text, ids))
+
+    def _echo(self, c: Choice) -> str:
+        """The text a completion choice starts with: its prompt with echo, else nothing."""
+        return self.echoes[c.prompt_index] if self.echoes is not None else ""
 
 
 def finish_fields(finish: dict[str, Any] | None) -> dict[str, Any]:

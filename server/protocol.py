@@ -7,12 +7,14 @@ valid JSON but not Unicode): neither could cross to the scheduler."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from labkit.constrained import GRAMMAR_KINDS
 from labkit.sampling.sampling_params import INT64_MAX, INT64_MIN, MAX_TOP_LOGPROBS
 
 Int = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
@@ -93,6 +95,33 @@ class ChatMessage(_Strict):
         return {**(self.model_extra or {}), "role": self.role, "content": content}
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema. The schema is always enforced (as SGLang does), so
+    `strict` may be either."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema", and allowed only with it')
+        return self
+
+    def grammar(self) -> dict[str, str]:
+        """The sampling parameter it maps onto (SGLang's mapping: json_object is any JSON object)."""
+        if self.json_schema is not None:
+            return {"json_schema": json.dumps(self.json_schema.schema_)}
+        return {"json_schema": '{"type": "object"}'} if self.type == "json_object" else {}
+
+
 class _SamplingRequest(_Body):
     """Fields shared by both endpoints: OpenAI's, then labkit's extras (SGLang names)."""
 
@@ -117,6 +146,18 @@ class _SamplingRequest(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[Int] | None = None
     skip_special_tokens: bool = True
+    # Structured output: OpenAI's response_format, or SGLang's extras (labkit.constrained)
+    response_format: ResponseFormat | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> _SamplingRequest:
+        extras = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
+        if extras and self.response_format is not None and self.response_format.grammar():
+            raise ValueError(f"give response_format or {extras[0]}, not both")
+        return self
 
     def sampling_params(self, max_new_tokens: int, index: int) -> dict[str, Any]:
         """labkit SamplingParams for choice `index` (seeded choices differ: seed + index)."""
@@ -135,6 +176,8 @@ class _SamplingRequest(_Body):
             "ignore_eos": self.ignore_eos,
             "seed": None if self.seed is None else self.seed + index,
             "skip_special_tokens": self.skip_special_tokens,
+            **{k: getattr(self, k) for k in GRAMMAR_KINDS if getattr(self, k) is not None},
+            **(self.response_format.grammar() if self.response_format is not None else {}),
         }
 
     @property
@@ -158,9 +201,24 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = Field(default=None, ge=0)  # 0 only to score the prompt: see below
     logprobs: Int | None = Field(default=None, ge=0, le=5)
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt before the completion; with logprobs, the prompt tokens' first
     best_of: BestOf = None
+
+    @model_validator(mode="after")
+    def _zero_tokens_score_the_prompt(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.scores_prompt:
+            why = "max_tokens 0 only scores a prompt: it needs echo and logprobs"
+            error = PydanticCustomError("zero_max_tokens", why)
+            details = [InitErrorDetails(type=error, loc=("max_tokens",), input=0)]
+            raise ValidationError.from_exception_data(type(self).__name__, details)
+        return self
+
+    @property
+    def scores_prompt(self) -> bool:
+        """echo with logprobs: the prompt tokens' logprobs are computed (logprob_start_len 0)."""
+        return self.echo and self.logprobs is not None
 
     def prompts(self) -> list[dict[str, Any]]:
         """Each prompt as GenerateReqInput keywords (text or input_ids)."""
@@ -180,6 +238,7 @@ class CompletionRequest(_SamplingRequest):
             **super().sampling_params(max_new_tokens, index),
             "return_logprob": self.logprobs is not None,
             "top_logprobs_num": self.logprobs or 0,
+            "logprob_start_len": 0 if self.scores_prompt else -1,
         }
 
 
@@ -193,9 +252,7 @@ class GenerateRequest(_Body):
     rid: str | None = None
     return_logprob: bool = False
     top_logprobs_num: Int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
-    logprob_start_len: Annotated[
-        Int, only_neutral(lambda v: v == -1, "prompt logprobs are not supported: logprob_start_len must be -1")
-    ] = -1
+    logprob_start_len: Int = -1  # with return_logprob: the prompt's logprobs from this position on
     token_ids_logprob: Annotated[
         list[Int] | None, only_neutral(lambda v: v is None, "logprobs of chosen token ids are not supported")
     ] = None
@@ -209,7 +266,12 @@ class GenerateRequest(_Body):
         """sampling_params with the top-level logprob switches (SGLang puts them there) folded in."""
         if not self.return_logprob:
             return self.sampling_params
-        return {**self.sampling_params, "return_logprob": True, "top_logprobs_num": self.top_logprobs_num}
+        return {
+            **self.sampling_params,
+            "return_logprob": True,
+            "top_logprobs_num": self.top_logprobs_num,
+            "logprob_start_len": self.logprob_start_len,
+        }
 
 
 class AbortRequest(_Body):

@@ -16,6 +16,7 @@ import yaml
 from labkit.attention import ATTENTION_BACKENDS
 from labkit.attention.base import LAZY_BACKENDS
 from labkit.config import EngineConfig, check_parallel
+from labkit.constrained import grammar_backend_names
 from labkit.distributed.dp_controller import LOAD_BALANCE_POLICIES
 from labkit.scheduler.schedule_policy import POLICIES
 
@@ -102,6 +103,7 @@ def _choices() -> dict[str, list[str]]:
         "schedule_policy": sorted(POLICIES),
         "load_balance_method": sorted(LOAD_BALANCE_POLICIES),
         "attention_backend": ["auto", *sorted(ATTENTION_BACKENDS.keys() | LAZY_BACKENDS.keys())],
+        "grammar_backend": grammar_backend_names(),
     }
 
 

@@ -28,6 +28,8 @@ from labkit import Engine
 # First match wins; kernel names from cuBLAS/CUTLASS (gemm), labkit.kernels (Triton), FlashInfer and torch.
 GROUPS = [
     ("collectives", r"nccl|one_shot|two_shot|all_reduce|AllReduce|AllGather"),
+    ("MoE experts (fused_moe)", r"_moe_gemm|_moe_sum"),
+    ("MoE token alignment", r"_moe_align"),
     ("matmul", r"gemm|nvjet|cutlass|xmma|splitK|cublas"),
     ("attention, decode", r"_decode_stage|BatchDecode"),
     ("attention, extend", r"_extend_kernel|BatchPrefill"),

@@ -12,6 +12,7 @@ import torch
 if TYPE_CHECKING:
     from labkit.attention.base import AttentionBackend
     from labkit.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+    from labkit.model_executor.input_logprobs import InputLogprobs
 
 
 class ForwardMode(IntEnum):
@@ -45,6 +46,9 @@ class ForwardBatch:
     attn_backend: AttentionBackend
     # [MoE layers, experts] int64 when the trace records expert load: each MoE layer adds its counts.
     expert_load: torch.Tensor | None = None
+    # Extend / mixed only, when a request asks for prompt logprobs: the rows to score, and the
+    # LogitsProcessor's results (labkit/model_executor/input_logprobs.py).
+    input_logprobs: InputLogprobs | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from labkit.attention import AttentionBackendConfig, get_attention_backend, resolve_attention_backend
 from labkit.config import EngineConfig, ranks_per_node
+from labkit.constrained.bitmask import VocabMask
 from labkit.distributed.parallel_state import TPGroup
 from labkit.layers.attention import Attention
 from labkit.layers.linear import LinearBase
@@ -21,6 +22,7 @@ from labkit.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from labkit.model_executor.cuda_graph_runner import CudaGraphRunner
 from labkit.model_executor.forward_batch import ForwardBatch
 from labkit.model_executor.future_map import FutureMap, HostSample
+from labkit.model_executor.input_logprobs import InputLogprobs
 from labkit.model_loader.loader import load_model
 from labkit.sampling.sampler import Sampler, SamplingBatchInfo
 
@@ -227,6 +229,11 @@ class ModelRunner:
             token_to_kv_pool=self.token_to_kv_pool,
             attn_backend=self.attn_backend,
             expert_load=self.expert_load.zero_() if self.expert_load is not None else None,
+            input_logprobs=(
+                InputLogprobs.plan(batch.reqs, batch.prefix_lens, batch.extend_lens, self.device)
+                if batch.forward_mode.is_extend()
+                else None
+            ),
         )
 
     @torch.inference_mode()
@@ -249,8 +256,11 @@ class ModelRunner:
         return self.model
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list[Req], forward_batch: ForwardBatch) -> HostSample:
+    def sample(
+        self, logits: torch.Tensor, reqs: list[Req], forward_batch: ForwardBatch, vocab_mask: VocabMask | None = None
+    ) -> HostSample:
         """Sample on the device and hand the tokens to the FutureMap (for future-token inputs, and on
-        their way to the host); `HostSample.wait()` then waits for this step only."""
-        info = SamplingBatchInfo.from_requests(reqs, self.vocab_size, logits.device, self.eos_token_ids)
+        their way to the host); `HostSample.wait()` then waits for this step only. `vocab_mask`: the
+        tokens the grammars of the constrained rows allow."""
+        info = SamplingBatchInfo.from_requests(reqs, self.vocab_size, logits.device, self.eos_token_ids, vocab_mask)
         return self.future_map.store(forward_batch.req_pool_indices, self.sampler(logits, info))

@@ -157,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
         """gather_logits=False returns this rank's vocabulary range only: the decode CUDA graphs
         gather after their replay (gather_logits()), keeping NCCL out of the graph."""
         hidden = self.model(input_ids, positions, forward_batch)
-        logits = self.logits_processor(hidden, self.head.weight, forward_batch)
+        logits = self.logits_processor(hidden, self.head, forward_batch)
         return self.gather_logits(logits) if gather_logits else logits
 
     def build_mlp(self, config: Any, layer_id: int, tp: TPGroup) -> nn.Module:

@@ -1,4 +1,5 @@
-"""Batched next-token sampling: penalties, greedy/temperature, top-k/top-p/min-p, seeds, logprobs.
+"""Batched next-token sampling: penalties, bans and grammar masks, greedy/temperature,
+top-k/top-p/min-p, seeds, logprobs.
 
 Sampling uses the exponential-race trick: ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d. draws a
 token with probability proportional to ``probs``. It needs no normalization and no multinomial, and
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit.constrained.bitmask import VocabMask
 from labkit.sampling.penalties import Penalties, SamplingReq, min_tokens_ban, to_device
 
 _MASK64 = (1 << 64) - 1
@@ -44,6 +46,7 @@ class SamplingBatchInfo:
     penalties: Penalties | None
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) blocked by min_new_tokens
     seeds: list[int | None]  # per-row generator seed for this step (already mixed with the step)
+    vocab_mask: VocabMask | None  # the tokens the grammars of the constrained rows allow (on the device)
     return_logprob: list[bool]
     top_logprobs_nums: list[int]
 
@@ -62,9 +65,10 @@ class SamplingBatchInfo:
         vocab_size: int,
         device: torch.device | str,
         eos_token_ids: set[int],
+        vocab_mask: VocabMask | None = None,
     ) -> SamplingBatchInfo:
         """Build the step's tensors from requests with ``sampling_params``, ``origin_input_ids``,
-        ``output_ids`` (parameters are assumed verified)."""
+        ``output_ids`` (parameters are assumed verified) and the grammar mask the scheduler built."""
         if not reqs:
             raise ValueError("cannot sample an empty batch")
         device = torch.device(device)
@@ -94,6 +98,7 @@ class SamplingBatchInfo:
                 None if p.seed is None or g else _mix_seed(p.seed, len(r.output_ids))
                 for r, p, g in zip(reqs, params, greedy)
             ],
+            vocab_mask=vocab_mask.to(device) if vocab_mask is not None else None,
             return_logprob=[p.return_logprob for p in params],
             top_logprobs_nums=[p.top_logprobs_num for p in params],
         )
@@ -144,6 +149,8 @@ class Sampler:
             logits = info.penalties.apply(logits)
         if info.banned is not None:
             logits = logits.index_put(info.banned, torch.full((), float("-inf"), device=logits.device))
+        if info.vocab_mask is not None:
+            logits = info.vocab_mask.apply(logits)
 
         greedy_ids = torch.argmax(logits, dim=-1)
         if info.all_greedy:

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from labkit.constrained.base_grammar_backend import GRAMMAR_KINDS, GrammarSpec
+
 # OpenAI caps top_logprobs at 20; more would also make the per-step top-k costly.
 MAX_TOP_LOGPROBS = 20
 # Integers must fit in 64 bits, signed or not: what msgpack carries to the scheduler. The server's
@@ -58,8 +60,16 @@ class SamplingParams:
     seed: int | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Prompt logprobs (SGLang's name): with return_logprob, the logprobs of the prompt tokens from this
+    # position on (the first prompt token has none: None); -1, the default, asks for none.
+    logprob_start_len: int = -1
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Structured output (SGLang's names; at most one): the output must match this JSON schema (a JSON
+    # string), regex or EBNF grammar (labkit.constrained).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -84,6 +94,16 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def wants_input_logprobs(self) -> bool:
+        """True when the prompt's tokens are scored (return_logprob with logprob_start_len >= 0)."""
+        return self.return_logprob and self.logprob_start_len >= 0
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """The grammar the output must match, if any (:meth:`verify` allows at most one)."""
+        return next((GrammarSpec(k, v) for k in GRAMMAR_KINDS if (v := getattr(self, k)) is not None), None)
+
+    @property
     def stop_strs(self) -> list[str]:
         """``stop`` as a list, whether or not :meth:`normalize` has run."""
         if self.stop is None:
@@ -102,8 +122,13 @@ class SamplingParams:
     def verify(self, vocab_size: int) -> None:
         """Raise ValueError naming the offending field if any value is invalid."""
         self._verify_types()
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        self._verify_grammar()
+        # 0 new tokens only makes sense when the prompt itself is scored (OpenAI's echo with max_tokens 0).
+        if self.max_new_tokens < 1 and not (self.max_new_tokens == 0 and self.wants_input_logprobs):
+            raise ValueError(
+                f"max_new_tokens must be >= 1 (0 only to score a prompt: return_logprob with "
+                f"logprob_start_len >= 0), got {self.max_new_tokens}"
+            )
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(
                 f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
@@ -131,9 +156,22 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary [0, {vocab_size})")
         if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
+        if self.logprob_start_len < -1:  # its upper bound, the prompt's length, is RequestLimits.check's
+            raise ValueError(f"logprob_start_len must be -1 (no prompt logprobs) or >= 0, got {self.logprob_start_len}")
+
+    def _verify_grammar(self) -> None:
+        given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
+        for name in given:
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string, got {_short(getattr(self, name))}")
+        if len(given) > 1:
+            raise ValueError(f"give at most one of json_schema, regex and ebnf, got {' and '.join(given)}")
+        # The min_new_tokens ban on EOS could leave a finished grammar no token to continue with.
+        if given and self.min_new_tokens:
+            raise ValueError(f"min_new_tokens cannot be combined with {given[0]}: the grammar decides where it ends")
 
     def _verify_types(self) -> None:
-        for name in ("max_new_tokens", "min_new_tokens", "top_k", "top_logprobs_num"):
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "top_logprobs_num", "logprob_start_len"):
             if not _is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be a 64-bit int, got {_short(getattr(self, name))}")
         for name in (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.constrained.base_grammar_backend import NO_GRAMMAR_BACKEND, get_grammar_backend
 from labkit.sampling.sampling_params import SamplingParams
 
 
@@ -14,6 +15,8 @@ class RequestLimits:
     vocab_size: int
     context_len: int  # prompt + output tokens of one request
     max_total_tokens: int  # KV pool size
+    grammar_backend: str = NO_GRAMMAR_BACKEND  # what checks json_schema / regex / ebnf (labkit.constrained)
+    has_tokenizer: bool = False  # grammars are compiled against the tokenizer's vocabulary
 
     def check(self, input_ids: list[int], params: dict | SamplingParams | None) -> SamplingParams:
         """Validate a prompt and its sampling parameters; return the normalized SamplingParams.
@@ -31,4 +34,11 @@ class RequestLimits:
             raise ValueError(f"the prompt has {n} tokens; the KV pool holds {self.max_total_tokens}")
         if min(input_ids) < 0 or max(input_ids) >= self.vocab_size:
             raise ValueError(f"input_ids must be in [0, {self.vocab_size})")
+        grammar = params.grammar
+        if grammar is not None:
+            if not self.has_tokenizer:
+                raise ValueError(f"{grammar.kind} needs a tokenizer; this model has none (give tokenizer_path)")
+            get_grammar_backend(self.grammar_backend).check(grammar)
+        if params.logprob_start_len >= n:
+            raise ValueError(f"logprob_start_len must be < the prompt's {n} tokens, got {params.logprob_start_len}")
         return params

@@ -40,7 +40,10 @@ class SchedulerOutputProcessorMixin:
                 o.token_logprobs = req.output_token_logprobs[-1:]
                 if params.top_logprobs_num:
                     o.top_logprobs = req.output_top_logprobs[-1:]
-            if not req.detokenize_params_sent:
+            if not req.detokenize_params_sent:  # the first output: the prompt's logprobs go with it
+                if params.wants_input_logprobs:
+                    o.input_token_logprobs = req.input_token_logprob_pairs()
+                    o.input_top_logprobs = req.input_top_logprobs if params.top_logprobs_num else None
                 o.detokenize = DetokenizeParams(
                     stop=params.stop_strs,
                     skip_special_tokens=params.skip_special_tokens,

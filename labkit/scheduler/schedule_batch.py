@@ -10,11 +10,13 @@ its last sampled token is the next input.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from labkit.constrained.base_grammar_backend import BaseGrammarObject
 from labkit.mem_cache.base_prefix_cache import BasePrefixCache, held_row
 from labkit.model_executor.forward_batch import ForwardMode
 from labkit.model_executor.future_map import FutureMap
@@ -63,11 +65,20 @@ class Req(Summarized):
     # Logprobs, when asked for
     output_token_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Prompt logprobs (logprob_start_len >= 0): entry k is prompt token logprob_start_len + k's (None
+    # for the prompt's first token, which nothing predicts); filled chunk by chunk as it is prefilled.
+    input_token_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     # perf_counter timestamps: arrival, first_scheduled, first_token, finished
     times: dict[str, float] = field(default_factory=dict)
+    # Structured output: the request's matcher (labkit.constrained), advanced as each token is committed
+    # (Scheduler.process_batch_result). A retracted request keeps its output_ids, so it keeps its matcher.
+    grammar: BaseGrammarObject | None = None
 
     def __post_init__(self) -> None:
         self.times.setdefault("arrival", time.perf_counter())
+        if self.sampling_params.wants_input_logprobs and self.sampling_params.logprob_start_len == 0:
+            self.add_input_logprobs([None], [None])
 
     def summary(self) -> dict[str, object]:
         if self.finished_reason is not None:
@@ -95,10 +106,34 @@ class Req(Summarized):
     def init_next_round_input(self, tree_cache: BasePrefixCache) -> None:
         """Match the cached prefix of what still has to be computed (waiting requests only)."""
         ids = self.all_ids
-        # Keep at least one token to compute: its logits give the next token.
-        match = tree_cache.match_prefix(ids[: len(ids) - 1])
+        # Keep at least one token to compute: its logits give the next token. A prompt still to be
+        # scored matches no further than its first scoring position: cached KV has no hidden states to
+        # score from (SGLang does the same), so those tokens are computed again.
+        limit = len(ids) - 1
+        to_score = self.input_logprob_positions(0, limit)
+        match = tree_cache.match_prefix(ids[: min(limit, to_score.start) if to_score else limit])
         self.prefix_indices, self.last_node = match.device_indices, match.last_node
         self.extend_input_len = len(ids) - len(self.prefix_indices)
+
+    def input_logprob_positions(self, start: int, end: int) -> range:
+        """The positions in [start, end) whose logits score a prompt token still without its logprob
+        (position j scores prompt token j + 1); empty when the request asks for no prompt logprobs."""
+        if not self.sampling_params.wants_input_logprobs:
+            return range(0)
+        first = self.sampling_params.logprob_start_len + len(self.input_token_logprobs) - 1
+        return range(max(start, first), min(end, len(self.origin_input_ids) - 1))
+
+    def add_input_logprobs(
+        self, logprobs: Sequence[float | None], top_logprobs: Sequence[list[tuple[int, float]] | None]
+    ) -> None:
+        """Append the next prompt tokens' logprobs (and their top alternatives, kept when asked for)."""
+        self.input_token_logprobs += logprobs
+        if self.sampling_params.top_logprobs_num:
+            self.input_top_logprobs += top_logprobs
+
+    def input_token_logprob_pairs(self) -> list[tuple[float | None, int]]:
+        """(logprob, token id) of each prompt token scored so far (SGLang's input_token_logprobs)."""
+        return list(zip(self.input_token_logprobs, self.origin_input_ids[self.sampling_params.logprob_start_len :]))
 
     def drop_placeholder(self) -> None:
         """Finished with a token still on its way (overlap): that token is not part of the output."""
@@ -115,7 +150,8 @@ class Req(Summarized):
         self.retract_count += 1
 
     def check_finished(self, eos_token_ids: set[int], tokenizer: Tokenizer | None, max_len: int) -> None:
-        """Finish on max_new_tokens, the context limit, EOS / stop token ids, or a stop string."""
+        """Finish on max_new_tokens, the context limit, EOS / stop token ids, a stop string, or a
+        grammar that accepted its stop token."""
         if self.finished_reason is not None:
             return
         params = self.sampling_params
@@ -130,6 +166,8 @@ class Req(Summarized):
     def _stop_reason(self, eos_token_ids: set[int], tokenizer: Tokenizer | None) -> int | str | None:
         params = self.sampling_params
         last = self.output_ids[-1]
+        if self.grammar is not None and self.grammar.is_terminated():  # even with ignore_eos (as SGLang)
+            return last
         if params.stop_token_ids and last in params.stop_token_ids:
             return last
         if not params.ignore_eos and last in eos_token_ids:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from labkit.config import EngineConfig
+from labkit.constrained import BaseGrammarBackend, BaseGrammarObject, GrammarSpec, build_vocab_mask, get_grammar_backend
 from labkit.distributed.parallel_state import TPGroup
 from labkit.io_struct import AbortReq, TokenizedGenerateReqInput
 from labkit.mem_cache.base_prefix_cache import BasePrefixCache, held_row
@@ -47,9 +48,11 @@ def default_chunked_prefill_size(device: torch.device) -> int:
 
 
 def batch_needs_host_history(batch: ScheduleBatch) -> bool:
-    """Penalties are built from the output tokens on the host, so they cannot run behind a step."""
+    """Penalties are built from the output tokens on the host, and a grammar's mask from its matcher,
+    which the host advances with each token: neither can run behind a step."""
     return any(
-        r.sampling_params.frequency_penalty
+        r.grammar is not None
+        or r.sampling_params.frequency_penalty
         or r.sampling_params.presence_penalty
         or r.sampling_params.repetition_penalty != 1
         for r in batch.reqs
@@ -94,7 +97,15 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
             self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size, on_event=on_event)
         self.policy = self._make_policy(config.schedule_policy, None)
         self.max_req_len = model_runner.context_len
-        self.limits = RequestLimits(model_runner.vocab_size, self.max_req_len, self.allocator.size)
+        self.limits = RequestLimits(
+            model_runner.vocab_size,
+            self.max_req_len,
+            self.allocator.size,
+            grammar_backend=config.grammar_backend,
+            has_tokenizer=tokenizer is not None,
+        )
+        # Built at the first request with a grammar: importing xgrammar alone takes about a second.
+        self.grammar_backend: BaseGrammarBackend | None = None
         chunk = config.chunked_prefill_size
         if chunk is None:
             chunk = default_chunked_prefill_size(model_runner.device)
@@ -164,13 +175,26 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         if self.find_request(recv.rid) is not None:
             raise ValueError(f"request id {recv.rid!r} is already in use")
         req = Req(
-            rid=recv.rid, origin_input_ids=list(recv.input_ids), sampling_params=params, input_text=recv.input_text
+            rid=recv.rid,
+            origin_input_ids=list(recv.input_ids),
+            sampling_params=params,
+            input_text=recv.input_text,
+            grammar=self._new_matcher(params.grammar) if params.grammar is not None else None,
         )
         if recv.created_time:
             req.times["arrival"] = recv.created_time
         self.waiting_queue.append(req)
         self._mirror(recv)
         return req
+
+    def _new_matcher(self, spec: GrammarSpec) -> BaseGrammarObject:
+        """A matcher for a new request (ValueError if its grammar does not compile). Every rank builds
+        its own from the replayed request, and advances it with the same tokens."""
+        if self.grammar_backend is None:
+            backend = get_grammar_backend(self.config.grammar_backend)
+            runner = self.model_runner
+            self.grammar_backend = backend(self.tokenizer, runner.vocab_size, runner.eos_token_ids)
+        return self.grammar_backend.new_matcher(spec)
 
     def waiting_order(self, policy: str) -> list[Req]:
         """The waiting requests in the order the registered `policy` (seeded with config.random_seed)
@@ -232,7 +256,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
                 self._take_in_flight(out, batch)  # its penalties need the tokens still on the device
             launched = self.run_batch(batch, out)
             self._take_in_flight(out, batch)
-            self.commit_batch(batch)
+            self.commit_batch(batch, out)
             # A batch of requests that all finished meanwhile (or a prompt chunk) has no token to take.
             self.in_flight = (batch, launched) if batch.sampled_rows else None
             if not self.overlap:
@@ -386,16 +410,25 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         start = time.perf_counter()
         logits = self.model_runner.forward(forward_batch)
         mid = time.perf_counter()
-        sample = self.model_runner.sample(logits, batch.reqs, forward_batch)
+        # Filled on the host while the device runs the forward (station 8's grammar mask).
+        vocab_mask = build_vocab_mask(
+            [r.grammar for r in batch.reqs], self.model_runner.vocab_size, self.model_runner.eos_token_ids
+        )
+        sample = self.model_runner.sample(logits, batch.reqs, forward_batch, vocab_mask)
+        if forward_batch.input_logprobs is not None:  # reads them now: such a step gives up the overlap
+            for req, (logprobs, top) in zip(batch.reqs, forward_batch.input_logprobs.per_request()):
+                req.add_input_logprobs(logprobs, top)
         if self.tracer is not None:  # reads the logits now: tracing gives up the overlap
             self._trace_forward(self.tracer, batch, logits, sample.wait(), start, mid, time.perf_counter())
             if forward_batch.expert_load is not None:
                 out.expert_tokens = forward_batch.expert_load.tolist()
         return sample
 
-    def commit_batch(self, batch: ScheduleBatch) -> None:
+    def commit_batch(self, batch: ScheduleBatch, out: StepOutput) -> None:
         """What the launched batch did that needs no token values: KV lengths, chunks cached, and a
-        placeholder for each request's coming token (the host learns it in process_batch_result)."""
+        placeholder for each request's coming token (the host learns it in process_batch_result).
+        A request asking for no new token (max_new_tokens 0: it only scores its prompt) finishes
+        here once its prompt is prefilled; its sampled token is discarded."""
         decoding = set(map(id, batch.reqs if batch.forward_mode.is_decode() else batch.decoding_reqs))
         for i, req in enumerate(batch.reqs):
             if req.finished():  # it finished while this batch was being scheduled (overlap)
@@ -403,6 +436,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
             req.kv_len = batch.prefix_lens[i] + batch.extend_lens[i]
             if req.is_chunked:  # more prompt to come: keep the chunk's KV; its token is discarded
                 self.tree_cache.cache_unfinished_req(req)
+                continue
+            if req.sampling_params.max_new_tokens == 0:
+                req.finished_reason = FinishReason("length", 0)
+                self._release(req)
+                out.finished.append(req)
                 continue
             req.output_ids.append(FutureMap.future_token(held_row(req)))
             batch.sampled_rows.append(i)
@@ -426,6 +464,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
                 continue
             req.output_ids[-1] = next_ids[i]
             req.times.setdefault("first_token", now)
+            if req.grammar is not None and not req.grammar.accept_token(next_ids[i]):
+                # Only a stop token its mask gave a row whose grammar allowed nothing (build_vocab_mask).
+                req.finished_reason = FinishReason("stop", None, "the grammar admits no further token")
             if logprobs is not None and req.sampling_params.return_logprob:
                 req.output_token_logprobs.append(logprobs[i])
                 if req.sampling_params.top_logprobs_num and result.top_logprobs is not None:

@@ -104,7 +104,7 @@ class SchedulerMetricsMixin:
                 end,
                 step=self.step_id,
                 token=int(sample.next_token_ids[i]),
-                discarded=req.is_chunked,
+                discarded=req.is_chunked or req.sampling_params.max_new_tokens == 0,  # a chunk, or a prompt only scored
                 top_ids=top.indices[i].tolist(),
                 top_logits=top.values[i].tolist(),
             )

@@ -81,6 +81,29 @@ def test_tp2_gives_the_tokens_and_logprobs_of_tp1_with_cache_chunks_and_retracti
     _assert_same(ref, got)
 
 
+def test_tp2_gives_the_prompt_logprobs_of_tp1_across_chunks_and_cache_hits():
+    """Each rank scores the prompt rows over its vocabulary range; the gathered log-softmax is tp 1's."""
+    common = {"model_path": "tiny-llama", "load_format": "dummy", "random_seed": 5, **TIGHT}
+    prompts = _workload(256, seed=2)
+    params = [
+        {"max_new_tokens": 3, "temperature": 0, "return_logprob": True, "top_logprobs_num": TOP, "logprob_start_len": s}
+        for s in (min(i * 7, len(p) - 1) for i, p in enumerate(prompts))
+    ]
+    ref, ref_seen = _run(Engine(**common), prompts, params)
+    with Engine(**common, tp_size=2) as engine:
+        got, seen = _run(engine, prompts, params)
+    assert seen == ref_seen and seen["chunked"] > 0 and seen["cache_hit_tokens"] > 0
+    _assert_same(ref, got)
+    for rid, r in ref.items():
+        want, have = r["meta_info"], got[rid]["meta_info"]
+        assert [t for _, t in have["input_token_logprobs"]] == [t for _, t in want["input_token_logprobs"]]
+        for (lp_w, _), (lp_h, _) in zip(want["input_token_logprobs"], have["input_token_logprobs"]):
+            assert lp_h == pytest.approx(lp_w, abs=1e-4) if lp_w is not None else lp_h is None
+        for top_w, top_h in zip(want["input_top_logprobs"], have["input_top_logprobs"]):
+            assert (top_h is None) == (top_w is None)
+            assert [t for t, _ in top_h or []] == [t for t, _ in top_w or []]
+
+
 def test_every_rank_samples_the_same_tokens_with_temperature_and_seeds():
     common = {"model_path": "tiny-qwen3", "load_format": "dummy", "enable_trace": True, "max_total_tokens": 2048}
     prompts = _workload(256, seed=1)

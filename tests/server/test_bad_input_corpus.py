@@ -142,7 +142,7 @@ def cases() -> Iterator[tuple[str, str, dict]]:
     completions = "/v1/completions"
     for prompt in BAD_PROMPTS:
         yield f"completion prompt={prompt!r:.30}", completions, {"json": {**COMPLETION, "prompt": prompt}}
-    for field, value in (("logprobs", 6), ("logprobs", -1), ("logprobs", True), ("echo", True)):
+    for field, value in (("logprobs", 6), ("logprobs", -1), ("logprobs", True), ("echo", "yes"), ("max_tokens", 0)):
         yield f"completion {field}={value!r}", completions, {"json": {**COMPLETION, field: value}}
     generate = "/generate"
     for body in BAD_GENERATE:

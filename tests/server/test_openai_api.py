@@ -8,6 +8,7 @@ import re
 
 import httpx
 import pytest
+import torch
 from server_process import MODEL, wait_idle
 
 pytestmark = pytest.mark.slow  # a real server on the embedded model
@@ -127,6 +128,36 @@ def test_completion_logprobs_have_openai_shape(client):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(len(t) <= 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
+
+
+def test_completion_echo_scores_the_prompt_as_transformers_does(server, client, hf_tokenizer, hf_model):
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    ids = hf_tokenizer(prompt)["input_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    want = [float(ref[j - 1, ids[j]]) for j in range(1, len(ids))]
+
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    [choice] = scored.choices
+    assert choice.text == prompt and scored.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+
+    greedy = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    continued = client.completions.create(**greedy, echo=True, logprobs=1)
+    plain = client.completions.create(**greedy)
+    assert continued.choices[0].text == prompt + plain.choices[0].text
+    assert continued.choices[0].logprobs.token_logprobs[: len(ids)] == pytest.approx(
+        choice.logprobs.token_logprobs, abs=1e-5
+    )
+    assert len(continued.choices[0].logprobs.tokens) == len(ids) + 4
+
+    native = server.post(
+        "/generate",
+        {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 3},
+    ).json()["meta_info"]
+    assert [lp for lp, _, _ in native["input_token_logprobs"]] == pytest.approx(want[2:], abs=1e-4)
+    wait_idle(server)
 
 
 def test_native_generate(server):

@@ -79,7 +79,6 @@ def test_sglang_native_generate_payload(server, return_logprob):  # backend "sgl
         ("/v1/chat/completions", "lora_path", ["a"], "no LoRA adapters"),
         ("/generate", "lora_path", "my-adapter", "no LoRA adapters"),
         ("/generate", "return_routed_experts", True, "return_routed_experts must be false"),
-        ("/generate", "logprob_start_len", 0, "prompt logprobs are not supported"),
         ("/generate", "token_ids_logprob", [1, 2], "not supported"),
     ],
 )
