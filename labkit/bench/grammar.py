@@ -2,7 +2,8 @@
 with a JSON schema against without.
 
     python -m labkit.bench.grammar [--batch-sizes 1 16 64] [--steps 16] [--num-requests 16] [--output-len 64]
-                                   [--repeats 3]
+                                   [--repeats 3] [--device cuda] [--model-path smollm2-135m --load-format dummy
+                                   --tokenizer-path DIR]
 
 Per step: `bs` requests decode under a JSON schema they cannot finish within the run (an array of at
 least 1000 strings). Before each step the batch's mask is built (the matchers' fill,
@@ -67,10 +68,12 @@ def _decode_steps(engine: Engine, bs: int, steps: int, grammar: dict, timed_mask
             start = time.perf_counter()
             mask = build_vocab_mask([r.grammar for r in sched.running], runner.vocab_size, runner.eos_token_ids)
             filled = time.perf_counter()
-            logits = torch.randn(len(sched.running), runner.vocab_size)
+            logits = torch.randn(len(sched.running), runner.vocab_size, device=runner.device)
+            _sync(runner.device)
             applying = time.perf_counter()
             assert mask is not None  # every running request has a grammar
-            mask.apply(logits)
+            mask.to(runner.device).apply(logits)  # the copy to the device is the sampler's too
+            _sync(runner.device)
             fill.append(filled - start)
             apply.append(time.perf_counter() - applying)
         begin = time.perf_counter()
@@ -81,6 +84,11 @@ def _decode_steps(engine: Engine, bs: int, steps: int, grammar: dict, timed_mask
     engine.run_until_done()
     engine.results.clear()
     return fill, apply, step
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def step_cost(engine: Engine, bs: int, steps: int) -> StepCost:
@@ -111,12 +119,22 @@ def main(argv: list[str] | None = None) -> list[StepCost]:
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="throughput rounds; the fastest counts")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument(
+        "--model-path", default=None, help="default: the embedded model; a data/configs name with --load-format dummy"
+    )
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--tokenizer-path", default=None, help="the tokenizer a random-weight model borrows")
     args = ap.parse_args(argv)
 
-    engine = Engine(device="cpu")
+    engine = Engine(
+        device=args.device, model_path=args.model_path, load_format=args.load_format, tokenizer_path=args.tokenizer_path
+    )
     engine.generate(messages=CHAT, sampling_params={"json_schema": PERSON, "max_new_tokens": 4})  # compile, warm up
     costs = [step_cost(engine, bs, args.steps) for bs in args.batch_sizes]
-    print(f"grammar mask per decode step, embedded model, CPU, {torch.get_num_threads()} threads (fastest step)")
+    runner = engine.model_runner
+    where = f"{runner.device}" + (f", {torch.get_num_threads()} threads" if runner.device.type == "cpu" else "")
+    print(f"grammar mask per decode step, {args.model_path or 'embedded model'}, {where} (fastest step)")
     print(f"{'batch':>5} {'fill ms':>8} {'apply ms':>9} {'step ms':>8} {'mask share':>10} {'plain step ms':>14}")
     for c in costs:
         mask = f"{c.fill_ms:8.2f} {c.apply_ms:9.2f}"
