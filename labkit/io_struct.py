@@ -24,6 +24,7 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # chat messages: the model's chat template is applied
+    tools: list[dict[str, Any]] | None = None  # with messages: OpenAI function tools, passed to the template
     sampling_params: dict[str, Any] = msgspec.field(default_factory=dict)
     stream: bool = False
     rid: str | None = None

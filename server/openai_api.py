@@ -18,6 +18,7 @@ from labkit.io_struct import GenerateReqInput, ReqOutput
 from labkit.server.errors import APIError, server_unavailable
 from labkit.server.protocol import ChatCompletionRequest, CompletionRequest
 from labkit.server.tokenizer_manager import QueueFullError, ReqState, ServerDeadError, TokenizerManager
+from labkit.server.tool_calls import ToolOutput, chat_prompt
 from labkit.trace.events import Station
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -60,9 +61,15 @@ class OpenAIServing:
 
     # ---- entry points ---------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        messages = [m.to_template() for m in req.messages]
+        tools = req.tool_spec()
+        if tools is not None:
+            try:
+                tools.check(self.tm.limits.grammar_backend)
+            except ValueError as e:
+                raise APIError(400, str(e), param="tools") from None
+        prompt = chat_prompt([m.to_template() for m in req.messages], tools, self.tm.tokenizer)
         max_new = req.max_completion_tokens or req.max_tokens or self.tm.limits.context_len
-        return await self._serve(req, raw, [{"messages": messages}], max_new, chat=True)
+        return await self._serve(req, raw, [prompt], max_new, chat=True)
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
         try:
@@ -127,8 +134,9 @@ class OpenAIServing:
         echoed: set[int] = set()  # choices whose prompt went out (echo: before their first piece)
         try:
             if fmt.chat:
+                opening = {"role": "assistant", "content": "" if fmt.tools is None else None}  # None: calls may come
                 for c in choices:
-                    yield sse(fmt.chunk(c, {"role": "assistant", "content": ""}))
+                    yield sse(fmt.chunk(c, opening))
             remaining = len(choices)
             while remaining:
                 choice, item = await queue.get()
@@ -142,10 +150,12 @@ class OpenAIServing:
                     if fmt.echoes is not None and choice.index not in echoed:
                         echoed.add(choice.index)
                         yield sse(fmt.echo_chunk(choice))
-                    if item.text or item.token_ids and item.token_logprobs is not None:
+                    # With tools the text is held back: only a finished output can be read as calls.
+                    if fmt.tools is None and (item.text or item.token_ids and item.token_logprobs is not None):
                         yield sse(fmt.delta_chunk(choice, item))
                     if item.finish_reason is not None:
-                        yield sse(fmt.chunk(choice, {} if fmt.chat else "", finish=item.finish_reason))
+                        for chunk in fmt.finish_chunks(choice):
+                            yield sse(chunk)
             else:
                 if include_usage:
                     yield sse(fmt.usage_chunk(choices))
@@ -171,16 +181,37 @@ class _Formatter:
         self.created = int(time.time())
         # echo (completions): each prompt's text, which its choices' text starts with.
         self.echoes = [self._prompt_text(p) for p in prompts] if not chat and req.echo else None
+        self.tools = req.tool_spec() if chat else None
 
     def _envelope(self, choices: list, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def chunk(self, c: Choice, delta: dict | str, finish: dict | None = None, logprobs=None) -> dict[str, Any]:
+    def chunk(
+        self, c: Choice, delta: dict | str, finish: dict | None = None, logprobs=None, calls: bool = False
+    ) -> dict[str, Any]:
         item = {"index": c.index, "logprobs": logprobs, "finish_reason": None}
         item["delta" if self.chat else "text"] = delta
         if finish is not None:
-            item.update(finish_fields(finish))
+            item.update(finish_fields(finish, calls))
         return self._envelope([item], "chat.completion.chunk" if self.chat else "text_completion")
+
+    def finish_chunks(self, c: Choice) -> list[dict[str, Any]]:
+        """A finished choice's last chunks; with tools, its held-back text first, as one delta of
+        calls or of content."""
+        if self.tools is None:
+            return [self.chunk(c, {} if self.chat else "", finish=c.finish)]
+        read = self.tool_output(c)
+        logprobs = self.logprobs(c.logprobs) if self._wants_logprobs else None
+        delta = read.delta() if read is not None else {"content": c.text}
+        last = self.chunk(c, {}, finish=c.finish, calls=read is not None)
+        return [self.chunk(c, delta, logprobs=logprobs), last] if read is not None or c.text else [last]
+
+    def tool_output(self, c: Choice) -> ToolOutput | None:
+        """The calls in a chat choice's text; None for plain content, and for an output cut short
+        (only one that ended with "stop" is complete)."""
+        if self.tools is None or c.finish is None or c.finish["type"] != "stop":
+            return None
+        return self.tools.read(c.text)
 
     def delta_chunk(self, c: Choice, out: ReqOutput) -> dict[str, Any]:
         entries = c.logprobs[len(c.logprobs) - len(out.token_ids) :] if out.token_logprobs is not None else None
@@ -198,13 +229,14 @@ class _Formatter:
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         items = []
         for c in choices:
+            read = self.tool_output(c)
             item = {
                 "index": c.index,
-                **finish_fields(c.finish),
+                **finish_fields(c.finish, calls=read is not None),
                 "logprobs": self.logprobs(c.prompt_logprobs + c.logprobs) if self._wants_logprobs else None,
             }
             if self.chat:
-                item["message"] = {"role": "assistant", "content": c.text}
+                item["message"] = {"role": "assistant", **(read.message() if read else {"content": c.text})}
             else:
                 item["text"] = self._echo(c) + c.text
             items.append(item)
@@ -263,11 +295,13 @@ class _Formatter:
         return self.echoes[c.prompt_index] if self.echoes is not None else ""
 
 
-def finish_fields(finish: dict[str, Any] | None) -> dict[str, Any]:
-    """finish_reason "stop" / "length" (or "abort"), plus what stopped it (SGLang's matched_stop)."""
+def finish_fields(finish: dict[str, Any] | None, calls: bool = False) -> dict[str, Any]:
+    """finish_reason "stop" / "length" (or "abort"; "tool_calls" for a choice read as `calls`), plus
+    what stopped it (SGLang's matched_stop)."""
     if finish is None:
         return {"finish_reason": None}
-    return {"finish_reason": finish["type"], "matched_stop": finish["matched"] if finish["type"] == "stop" else None}
+    reason = "tool_calls" if calls else finish["type"]
+    return {"finish_reason": reason, "matched_stop": finish["matched"] if finish["type"] == "stop" else None}
 
 
 def usage(choices: list[Choice]) -> dict[str, Any]:

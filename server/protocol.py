@@ -11,11 +11,21 @@ import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from labkit.constrained import GRAMMAR_KINDS
 from labkit.sampling.sampling_params import INT64_MAX, INT64_MIN, MAX_TOP_LOGPROBS
+from labkit.server.tool_calls import ToolSpec
 
 Int = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 
@@ -85,14 +95,99 @@ class TextPart(_Strict):
     text: str
 
 
+class _Echoed(_Strict):
+    """Part of a call the client sends back: the `openai` client's accumulated stream adds its own
+    fields (`index`, `parsed_arguments`), ignored rather than refused."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionCall(_Echoed):
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI returns it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise ValueError("arguments must be the text of a JSON object")
+        return value
+
+
+class MessageToolCall(_Echoed):
+    """A call an earlier assistant message made (its `id` is what the tool message answers)."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id ... pass through to the template
+    model_config = ConfigDict(extra="allow")  # name ... pass through to the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # null only beside an assistant's tool_calls
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None  # a tool message's: the call whose result it holds
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def to_template(self) -> dict[str, Any]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {**(self.model_extra or {}), "role": self.role, "content": content}
+        """The message as chat templates take it (transformers' convention: a call's arguments as a dict)."""
+        content = "".join(p.text for p in self.content) if isinstance(self.content, list) else self.content or ""
+        message = {**(self.model_extra or {}), "role": self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(_Strict):
+    # OpenAI's rule for function names; it also keeps them plain in a prompt and a grammar.
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # the arguments' JSON schema; none: no arguments
+    strict: bool | None = None  # a forced call is always held to the schema, so either
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "object":
+            raise ValueError('parameters must be a JSON schema of "type": "object" (the arguments are an object)')
+        return value
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class JsonSchemaFormat(_Strict):
@@ -176,6 +271,12 @@ class _SamplingRequest(_Body):
             "ignore_eos": self.ignore_eos,
             "seed": None if self.seed is None else self.seed + index,
             "skip_special_tokens": self.skip_special_tokens,
+            **self.grammar_params(),
+        }
+
+    def grammar_params(self) -> dict[str, str]:
+        """The grammar the body asks for (response_format or an extra), as a sampling parameter."""
+        return {
             **{k: getattr(self, k) for k in GRAMMAR_KINDS if getattr(self, k) is not None},
             **(self.response_format.grammar() if self.response_format is not None else {}),
         }
@@ -190,12 +291,45 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: "auto"
+
+    @model_validator(mode="after")
+    def _valid_tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"tools: function names must be unique; {repeated} appear more than once")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not in tools")
+        if choice == "required" and not names:
+            raise ValueError('tool_choice "required" needs tools')
+        forced = choice == "required" or isinstance(choice, NamedToolChoice)
+        if forced and self.grammar_params():
+            raise ValueError(
+                "a forced tool call constrains the output itself: give no response_format, json_schema, regex or "
+                "ebnf with it"
+            )
+        return self
+
+    def tool_spec(self) -> ToolSpec | None:
+        """The tools and what tool_choice asks of them; None when they play no part (none given, or
+        tool_choice "none", which leaves them out of the prompt too, as SGLang does)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        functions = [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return ToolSpec(functions, forced=self.tool_choice.function.name)
+        return ToolSpec(functions, required=self.tool_choice == "required")
 
     def sampling_params(self, max_new_tokens: int, index: int) -> dict[str, Any]:
+        spec = self.tool_spec()
         return {
             **super().sampling_params(max_new_tokens, index),
             "return_logprob": self.logprobs,
             "top_logprobs_num": (self.top_logprobs or 0) if self.logprobs else 0,
+            **(spec.grammar() if spec is not None else {}),
         }
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +23,59 @@ def embedded_dir():
     from labkit.model_loader.embedded import embedded_model_dir
 
     return embedded_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab_config(tmp_path_factory) -> str:
+    """A tiny random-weight Llama with the embedded model's 49,152-token vocabulary, so it can borrow
+    its tokenizer: a grammar alone decides what is well-formed, and a step takes milliseconds."""
+    from labkit.model_loader.loader import CONFIGS_DIR
+
+    config = json.loads((CONFIGS_DIR / "tiny-llama.json").read_text())
+    config |= {"vocab_size": 49152, "max_position_embeddings": 2048}
+    path = Path(tmp_path_factory.mktemp("configs")) / "tiny-llama-49k.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_kwargs(tiny_vocab_config, embedded_dir) -> dict:
+    """Engine keywords for the tiny model with the embedded tokenizer."""
+    return {
+        "model_path": tiny_vocab_config,
+        "load_format": "dummy",
+        "tokenizer_path": str(embedded_dir),
+        "max_total_tokens": 8192,
+        "device": "cpu",
+    }
+
+
+@pytest.fixture(scope="session")
+def run_tiny_server(tiny_engine_kwargs):
+    """run_tiny_server(test): asyncio.run `test(server, client)` against a started in-process server
+    (labkit.server.inprocess) on the tiny model, `client` the official `openai` async client; then
+    check that the server holds no memory."""
+    import openai
+
+    from labkit.config import EngineConfig
+    from labkit.server.inprocess import InProcessServer
+
+    def go(test):
+        async def main():
+            server = InProcessServer(EngineConfig(**tiny_engine_kwargs))
+            await server.start()
+            client = openai.AsyncOpenAI(base_url="http://labkit/v1", api_key="none", http_client=server.client)
+            try:
+                result = await test(server, client)
+                usage = server.scheduler.pool_usage()
+                assert usage.request_owned == 0 and usage.protected == 0 and not server.scheduler.has_work()
+                return result
+            finally:
+                await server.close()
+
+        return asyncio.run(main())
+
+    return go
 
 
 @pytest.fixture(scope="session")

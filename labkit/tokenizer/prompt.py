@@ -15,8 +15,9 @@ if TYPE_CHECKING:
     from labkit.trace.recorder import Tracer
 
 
-def apply_chat_template(tokenizer, messages: Any) -> str:
-    """The model's chat template over `messages`, ending with the assistant's turn opened."""
+def apply_chat_template(tokenizer, messages: Any, tools: list[dict[str, Any]] | None = None) -> str:
+    """The model's chat template over `messages` (and `tools`, for a template that renders them),
+    ending with the assistant's turn opened."""
     if (
         not isinstance(messages, list)
         or not messages
@@ -30,14 +31,14 @@ def apply_chat_template(tokenizer, messages: Any) -> str:
         raise ValueError("this model has no tokenizer (dummy weights): pass input_ids, or give tokenizer_path")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
 
 def encode_prompt(
-    tokenizer, text: Any = None, input_ids: Any = None, messages: Any = None
+    tokenizer, text: Any = None, input_ids: Any = None, messages: Any = None, tools: list[dict[str, Any]] | None = None
 ) -> tuple[str | None, list[int]]:
-    """(prompt text or None, token ids) for exactly one of text, input_ids or messages.
-    Raises ValueError for malformed input."""
+    """(prompt text or None, token ids) for exactly one of text, input_ids or messages (with `tools`
+    for the chat template). Raises ValueError for malformed input."""
     if sum(x is not None for x in (text, input_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt (text), input_ids or messages")
     if input_ids is not None:
@@ -49,7 +50,7 @@ def encode_prompt(
     if tokenizer is None:
         raise ValueError("this model has no tokenizer (dummy weights): pass input_ids, or give tokenizer_path")
     if messages is not None:
-        text = apply_chat_template(tokenizer, messages)
+        text = apply_chat_template(tokenizer, messages, tools)
         # The template already holds the special tokens (BOS and the turn markers).
         return text, tokenizer(text, add_special_tokens=False)["input_ids"]
     if not isinstance(text, str):
@@ -88,7 +89,7 @@ def tokenize_request(
     if max_prompt_chars is not None and (chars := _prompt_chars(req)) > max_prompt_chars:
         context = f"; this model's context length is {limits.context_len} tokens" if limits is not None else ""
         raise ValueError(f"the prompt has {chars} characters, more than its tokens could fit{context}")
-    text, ids = encode_prompt(tokenizer, req.text, req.input_ids, req.messages)
+    text, ids = encode_prompt(tokenizer, req.text, req.input_ids, req.messages, req.tools)
     if limits is not None:
         limits.check(ids, req.sampling_params)
     tokenized = TokenizedGenerateReqInput(

@@ -4,15 +4,11 @@ extras, and bad grammars answered with a 400 in OpenAI's error shape before anyt
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import jsonschema
 import openai
 import pytest
-
-from labkit.config import EngineConfig
-from labkit.server.inprocess import InProcessServer
 
 SCHEMA = {
     "type": "object",
@@ -23,30 +19,7 @@ SCHEMA = {
 CHAT = [{"role": "user", "content": "Name a city as JSON."}]
 
 
-@pytest.fixture(scope="module")
-def run(tiny_engine_kwargs):
-    """run(test): asyncio.run `test(server, client)` against a started in-process server, then
-    check that it holds no memory."""
-
-    def go(test):
-        async def main():
-            server = InProcessServer(EngineConfig(**tiny_engine_kwargs))
-            await server.start()
-            client = openai.AsyncOpenAI(base_url="http://labkit/v1", api_key="none", http_client=server.client)
-            try:
-                result = await test(server, client)
-                usage = server.scheduler.pool_usage()
-                assert usage.request_owned == 0 and usage.protected == 0 and not server.scheduler.has_work()
-                return result
-            finally:
-                await server.close()
-
-        return asyncio.run(main())
-
-    return go
-
-
-def test_response_format_and_extras_through_the_openai_client(run):
+def test_response_format_and_extras_through_the_openai_client(run_tiny_server):
     async def test(server, client):
         model = server.model_name
         by_schema = await server.serve(
@@ -88,10 +61,10 @@ def test_response_format_and_extras_through_the_openai_client(run):
         )
         assert text.choices[0].finish_reason == "length"
 
-    run(test)
+    run_tiny_server(test)
 
 
-def test_native_generate_takes_the_grammar_in_its_sampling_params(run):
+def test_native_generate_takes_the_grammar_in_its_sampling_params(run_tiny_server):
     async def test(server, client):
         r = await server.serve(
             server.client.post(
@@ -102,7 +75,7 @@ def test_native_generate_takes_the_grammar_in_its_sampling_params(run):
         assert r.status_code == 200, r.text
         assert r.json()["text"] in ("yes", "no") and r.json()["meta_info"]["finish_reason"] == "stop"
 
-    run(test)
+    run_tiny_server(test)
 
 
 @pytest.mark.parametrize(
@@ -128,7 +101,7 @@ def test_native_generate_takes_the_grammar_in_its_sampling_params(run):
         ({"json_schema": "{not json"}, "not valid JSON"),
     ],
 )
-def test_bad_grammars_are_a_400_with_the_backend_s_reason(run, body, reason):
+def test_bad_grammars_are_a_400_with_the_backend_s_reason(run_tiny_server, body, reason):
     async def test(server, client):
         r = await server.client.post(
             "/v1/chat/completions", json={"model": server.model_name, "messages": CHAT, "max_tokens": 4, **body}
@@ -140,4 +113,4 @@ def test_bad_grammars_are_a_400_with_the_backend_s_reason(run, body, reason):
             await client.chat.completions.create(model=server.model_name, messages=CHAT, max_tokens=4, extra_body=body)
         assert not server.tm.rid_to_state  # nothing was queued
 
-    run(test)
+    run_tiny_server(test)
