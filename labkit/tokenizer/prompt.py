@@ -31,7 +31,8 @@ def apply_chat_template(tokenizer, messages: Any, tools: list[dict[str, Any]] | 
         raise ValueError("this model has no tokenizer (dummy weights): pass input_ids, or give tokenizer_path")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    extra = {"tools": tools} if tools else {}  # only then: a tokenizer-like object need not know the keyword
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
 
 def encode_prompt(
