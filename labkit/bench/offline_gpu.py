@@ -403,7 +403,8 @@ def print_report(
         f"TFLOP/s, both measured in this run)"
     )
     print(
-        f"weights {roof['weight_bytes'] / 1e9:.3f} GB read every decode step, KV "
+        f"weights {roof['weight_bytes'] / 1e9:.3f} GB (a decode step reads them all, an MoE model's "
+        f"experts as its batch routes), KV "
         f"{roof['kv_bytes_per_token'] / 1024:.0f} KiB per token; {d.steps} decode steps read "
         f"{roof['decode_bytes'] / 1e12:.2f} TB -> {roof['decode_floor_s']:.2f} s; prefill "
         f"{roof['prefill_flops'] / 1e15:.3f} PFLOP -> {roof['prefill_floor_s']:.2f} s"
