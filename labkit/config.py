@@ -98,6 +98,42 @@ class EngineConfig:
         default=False,
         metadata={"help": "overlap scheduling on CPU too: no speed-up there; tokens arrive one step later"},
     )
+    # Speculative decoding (labkit.speculative)
+    speculative_algorithm: str | None = field(
+        default=None,
+        metadata={
+            "help": "draft several tokens per decode step and verify them in one forward: ngram (from the "
+            "request's own context) or draft (a smaller model sharing the tokenizer); none: off"
+        },
+    )
+    speculative_num_draft_tokens: int = field(
+        default=4, metadata={"help": "most tokens drafted per request and step (each verify row is one)"}
+    )
+    speculative_draft_model_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "the draft model of --speculative-algorithm draft, as --model-path takes it (none: the "
+            "embedded model)"
+        },
+    )
+    speculative_draft_load_format: str = field(
+        default="auto", metadata={"help": "auto or dummy, for the draft model as --load-format"}
+    )
+    speculative_ngram_max_n: int = field(
+        default=4, metadata={"help": "ngram: longest context suffix looked up (shorter ones are tried after it)"}
+    )
+    speculative_ngram_min_n: int = field(default=1, metadata={"help": "ngram: shortest context suffix looked up"})
+    speculative_ngram_share: bool = field(
+        default=False,
+        metadata={"help": "ngram: also look the suffix up in other requests' recent outputs"},
+    )
+    speculative_min_accept_rate: float = field(
+        default=0.3,
+        metadata={
+            "help": "a request whose drafts' recent acceptance rate falls below this stops drafting for a "
+            "while (0: never stop)"
+        },
+    )
     # Parallelism
     tp_size: int = field(
         default=1, metadata={"help": "tensor parallelism: ranks sharing each layer (gloo on CPU, NCCL on CUDA)"}

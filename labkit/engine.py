@@ -35,7 +35,7 @@ class EngineStep(Summarized):
     rids: list[str]
     prefix_lens: list[int]
     extend_lens: list[int]
-    new_tokens: dict[str, int]
+    new_tokens: dict[str, list[int]]  # rid -> the tokens it gained (several after a verify step)
     new_text: dict[str, str]
     finished: list[str]
     retracted: list[str]
@@ -47,19 +47,19 @@ class EngineStep(Summarized):
 
     def summary(self) -> dict[str, object]:
         out: dict[str, object] = {"step": self.step, "forward_mode": self.forward_mode, "requests": len(self.rids)}
-        out |= {"new_tokens": sum(self.new_tokens.values()), "cache_hit_tokens": self.cache_hit_tokens}
+        out |= {"new_tokens": sum(map(len, self.new_tokens.values())), "cache_hit_tokens": self.cache_hit_tokens}
         out |= {"finished": self.finished, "retracted": self.retracted, "blocked": len(self.blocked)}
         out |= {"running": self.running, "waiting": self.waiting}
         out |= {"kv_pool": f"{self.pool.free} free of {self.pool.total}"}
         return out
 
     def html_details(self) -> str:
-        """Each request's new token (and its text, with a tokenizer)."""
+        """Each request's new tokens (and their text, with a tokenizer)."""
         rows = "".join(
-            f"<tr><td>{escape(rid)}</td><td>{token}</td><td>{escape(repr(self.new_text.get(rid, '')))}</td></tr>"
-            for rid, token in self.new_tokens.items()
+            f"<tr><td>{escape(rid)}</td><td>{tokens}</td><td>{escape(repr(self.new_text.get(rid, '')))}</td></tr>"
+            for rid, tokens in self.new_tokens.items()
         )
-        return f"<table><tr><th>rid</th><th>new token</th><th>text</th></tr>{rows}</table>" if rows else ""
+        return f"<table><tr><th>rid</th><th>new tokens</th><th>text</th></tr>{rows}</table>" if rows else ""
 
 
 @dataclass
@@ -241,6 +241,7 @@ class Engine:
             "finish_reason": reason,
             "matched_stop": reason["matched"] if reason["type"] == "stop" else None,
             "retractions": req.retract_count,
+            **req.spec.meta_info(),
             "timestamps": times,
             "ttft": times["first_token"] - times["arrival"] if "first_token" in times else None,
             "e2e_latency": times["finished"] - times["arrival"],

@@ -114,6 +114,9 @@ class ReqOutput(msgspec.Struct, kw_only=True):
     token_ids: list[int]
     finish_reason: dict[str, Any] | None = None  # FinishReason.to_dict() once finished
     cached_tokens: int = 0
+    # Speculative decoding: this step's drafts of the request, and how many of them it kept.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # Prompt logprobs, (logprob, token id) per scored prompt token, with a request's first output only:

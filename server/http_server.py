@@ -159,6 +159,7 @@ def create_app(runtime: AppRuntime) -> FastAPI:
                     "prompt_tokens": state.prompt_tokens,
                     "completion_tokens": len(choice.token_ids),
                     "cached_tokens": choice.cached_tokens,
+                    **choice.spec.meta_info(),
                     **finish_fields(choice.finish),
                     "e2e_latency": time.perf_counter() - state.created,
                     **native_logprobs(choice),
@@ -226,6 +227,10 @@ def create_app(runtime: AppRuntime) -> FastAPI:
             "cache_hit_rate": (
                 "Cached prompt tokens / prompt tokens, since start",
                 m["cached_tokens_total"] / max(m["prompt_tokens_total"], 1),
+            ),
+            "spec_accept_rate": (
+                "Speculative decoding: accepted draft tokens / draft tokens, since start",
+                m["spec_accepted_tokens_total"] / max(m["spec_draft_tokens_total"], 1),
             ),
         }
         return PlainTextResponse(manager.metrics.render(gauges), media_type="text/plain; version=0.0.4")

@@ -46,6 +46,9 @@ class ServerMetrics:
         "cached_tokens_total": "Prompt tokens served from the prefix cache",
         "requests_total": "Finished requests",
         "aborted_requests_total": "Requests aborted (client gone, /abort_request, or failure)",
+        "spec_verify_steps_total": "Speculative decoding: a request's verify steps with drafts",
+        "spec_draft_tokens_total": "Speculative decoding: tokens drafted",
+        "spec_accepted_tokens_total": "Speculative decoding: drafted tokens the target model accepted",
     }
 
     def __init__(self) -> None:

@@ -19,6 +19,7 @@ from labkit.server.errors import APIError, server_unavailable
 from labkit.server.protocol import ChatCompletionRequest, CompletionRequest
 from labkit.server.tokenizer_manager import QueueFullError, ReqState, ServerDeadError, TokenizerManager
 from labkit.server.tool_calls import ToolOutput, chat_prompt
+from labkit.speculative.verify import SpecState
 from labkit.trace.events import Station
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -38,11 +39,14 @@ class Choice:
     prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     cached_tokens: int = 0
+    spec: SpecState = field(default_factory=SpecState)  # speculative decoding's counts (meta_info)
 
     def add(self, out: ReqOutput) -> None:
         self.text += out.text
         self.token_ids += out.token_ids
         self.cached_tokens = out.cached_tokens
+        if out.spec_draft_tokens:
+            self.spec.count(out.spec_draft_tokens, out.spec_accepted_tokens)
         if out.input_token_logprobs is not None:
             pairs = out.input_token_logprobs
             prompt_tops: list[list[tuple[int, float]] | None] = out.input_top_logprobs or [None] * len(pairs)

@@ -19,6 +19,7 @@ from labkit.config import EngineConfig, check_parallel
 from labkit.constrained import grammar_backend_names
 from labkit.distributed.dp_controller import LOAD_BALANCE_POLICIES
 from labkit.scheduler.schedule_policy import POLICIES
+from labkit.speculative.base import drafter_names
 
 HIDDEN_ENGINE_FIELDS = {"enable_trace"}  # set by --trace-file
 
@@ -104,6 +105,7 @@ def _choices() -> dict[str, list[str]]:
         "load_balance_method": sorted(LOAD_BALANCE_POLICIES),
         "attention_backend": ["auto", *sorted(ATTENTION_BACKENDS.keys() | LAZY_BACKENDS.keys())],
         "grammar_backend": grammar_backend_names(),
+        "speculative_algorithm": drafter_names(),
     }
 
 

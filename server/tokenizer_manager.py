@@ -275,6 +275,10 @@ class TokenizerManager:
                     m.itl.observe((now - state.last_token_time) / len(out.token_ids))
                 state.last_token_time = now
                 m.inc("generation_tokens_total", len(out.token_ids))
+            if out.spec_draft_tokens:
+                m.inc("spec_verify_steps_total")
+                m.inc("spec_draft_tokens_total", out.spec_draft_tokens)
+                m.inc("spec_accepted_tokens_total", out.spec_accepted_tokens)
             if out.finish_reason is not None:
                 self.dp.finish(out.rid)
                 state.finished, state.finish_reason = True, out.finish_reason

@@ -20,12 +20,17 @@ class ForwardMode(IntEnum):
     DECODE = 2  # one new token per request
     MIXED = 3  # a prefill chunk and running decodes in one forward (decodes are extends of length 1)
     IDLE = 4  # nothing to run
+    # Speculative decoding: each request's last token and its drafts, one row each. A row attends as
+    # a decode row does (its prefix, then the drafts before it), so the decode kernels and CUDA
+    # graphs run it; the logits are per row (labkit/speculative/verify.py).
+    TARGET_VERIFY = 5
 
     def is_extend(self) -> bool:
         return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
 
     def is_decode(self) -> bool:
-        return self == ForwardMode.DECODE
+        """One query row per sequence, logits for every row: DECODE and TARGET_VERIFY."""
+        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,14 +20,15 @@ from labkit.layers.linear import LinearBase
 from labkit.mem_cache.allocator import TokenToKVPoolAllocator
 from labkit.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
 from labkit.model_executor.cuda_graph_runner import CudaGraphRunner
-from labkit.model_executor.forward_batch import ForwardBatch
+from labkit.model_executor.forward_batch import ForwardBatch, ForwardMode
 from labkit.model_executor.future_map import FutureMap, HostSample
 from labkit.model_executor.input_logprobs import InputLogprobs
 from labkit.model_loader.loader import load_model
+from labkit.sampling.penalties import SamplingReq
 from labkit.sampling.sampler import Sampler, SamplingBatchInfo
 
 if TYPE_CHECKING:
-    from labkit.scheduler.schedule_batch import Req, ScheduleBatch, Tokenizer
+    from labkit.scheduler.schedule_batch import ScheduleBatch, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -207,24 +208,27 @@ class ModelRunner:
         return size
 
     def build_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
-        seq_lens = batch.seq_lens
+        req_pool_indices, seq_lens = batch.forward_rows()
+        prefix_lens, extend_lens = batch.prefix_lens, batch.extend_lens
+        if batch.forward_mode == ForwardMode.TARGET_VERIFY:  # its rows are decode rows
+            prefix_lens, extend_lens = [n - 1 for n in seq_lens], [1] * len(seq_lens)
         # One host-to-device copy for the four index lists, then views of it.
-        parts = (batch.input_ids, batch.positions, batch.req_pool_indices, seq_lens)
+        parts = (batch.input_ids, batch.positions, req_pool_indices, seq_lens)
         flat = torch.tensor([v for part in parts for v in part], dtype=torch.int64).to(self.device, non_blocking=True)
         input_ids, positions, req_pool_indices, seq_lens_t = flat.split([len(p) for p in parts])
         if FutureMap.has_future(batch.input_ids):
             input_ids = self.future_map.resolve(input_ids)
         return ForwardBatch(
             forward_mode=batch.forward_mode,
-            batch_size=len(batch.reqs),
+            batch_size=len(seq_lens),
             input_ids=input_ids,
             positions=positions,
             req_pool_indices=req_pool_indices,
             seq_lens=seq_lens_t,
             out_cache_loc=batch.out_cache_loc.to(self.device, non_blocking=True),
             seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=batch.prefix_lens,
-            extend_seq_lens_cpu=batch.extend_lens,
+            extend_prefix_lens_cpu=prefix_lens,
+            extend_seq_lens_cpu=extend_lens,
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.token_to_kv_pool,
             attn_backend=self.attn_backend,
@@ -257,7 +261,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(
-        self, logits: torch.Tensor, reqs: list[Req], forward_batch: ForwardBatch, vocab_mask: VocabMask | None = None
+        self,
+        logits: torch.Tensor,
+        reqs: Sequence[SamplingReq],
+        forward_batch: ForwardBatch,
+        vocab_mask: VocabMask | None = None,
     ) -> HostSample:
         """Sample on the device and hand the tokens to the FutureMap (for future-token inputs, and on
         their way to the host); `HostSample.wait()` then waits for this step only. `vocab_mask`: the

@@ -66,11 +66,7 @@ def alloc_for_extend(
         row_parts.append(torch.full((n,), held_row(req), dtype=torch.int64))
         col_parts.append(torch.arange(n))
         value_parts.append(req.prefix_indices)
-    for req, p, s in zip(batch.reqs, prefix_lens, seq_lens):
-        row_parts.append(torch.full((s - p,), held_row(req), dtype=torch.int64))
-        col_parts.append(torch.arange(p, s))
-    value_parts.append(out)
-    req_to_token_pool.write(torch.cat(row_parts), torch.cat(col_parts), torch.cat(value_parts))
+    _write_new_slots(req_to_token_pool, batch.reqs, prefix_lens, seq_lens, out, row_parts, col_parts, value_parts)
     for req, p, s in zip(batch.reqs, prefix_lens, seq_lens):
         ids = req.all_ids
         batch.input_ids.extend(ids[p:s])
@@ -78,6 +74,66 @@ def alloc_for_extend(
     batch.prefix_lens, batch.out_cache_loc = prefix_lens, out
     batch.extend_lens = [s - p for p, s in zip(prefix_lens, seq_lens)]
     return True
+
+
+def _write_new_slots(
+    req_to_token_pool: ReqToTokenPool,
+    reqs: list[Req],
+    prefix_lens: list[int],
+    seq_lens: list[int],
+    slots: torch.Tensor,
+    row_parts: list[torch.Tensor],
+    col_parts: list[torch.Tensor],
+    value_parts: list[torch.Tensor],
+) -> None:
+    """Write `slots` (positions prefix_lens[i]..seq_lens[i]-1 of each request, in order) into the
+    requests' req_to_token rows, in one write with the entries already in the *_parts lists."""
+    for req, p, s in zip(reqs, prefix_lens, seq_lens):
+        row_parts.append(torch.full((s - p,), held_row(req), dtype=torch.int64))
+        col_parts.append(torch.arange(p, s))
+    value_parts.append(slots)
+    req_to_token_pool.write(torch.cat(row_parts), torch.cat(col_parts), torch.cat(value_parts))
+
+
+def alloc_for_verify(
+    batch: ScheduleBatch,
+    drafts: list[list[int]],
+    req_to_token_pool: ReqToTokenPool,
+    allocator: TokenToKVPoolAllocator,
+    page_size: int,
+) -> bool:
+    """KV slots for each decoding request's last token and its drafts (positions kv_len ..
+    kv_len + len(draft)), from free pages only: drafts never evict cached prefixes. False, with
+    nothing allocated, when the free pages do not suffice."""
+    reqs = batch.reqs
+    prefix_lens = [r.kv_len for r in reqs]
+    seq_lens = [p + 1 + len(d) for p, d in zip(prefix_lens, drafts)]
+    if sum(new_slots_needed(p, s, page_size) for p, s in zip(prefix_lens, seq_lens)) > allocator.available_size():
+        return False
+    rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64)
+    out = allocator.alloc_extend(prefix_lens, seq_lens, _last_locs(req_to_token_pool.host, rows, prefix_lens))
+    if out is None:
+        return False
+    _write_new_slots(req_to_token_pool, reqs, prefix_lens, seq_lens, out, [], [], [])
+    for req, p, draft in zip(reqs, prefix_lens, drafts):
+        batch.input_ids += [req.output_ids[-1], *draft]
+        batch.positions.extend(range(p, p + 1 + len(draft)))
+    batch.prefix_lens, batch.out_cache_loc = prefix_lens, out
+    batch.extend_lens = [1 + len(d) for d in drafts]
+    return True
+
+
+def release_rejected(
+    req: Req, end: int, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, page_size: int
+) -> int:
+    """KV rollback after verification: free the slots of positions req.kv_len..end-1 that a verify
+    step allocated and did not keep, page by page (a page the request still uses stays its own: its
+    next tokens fill it). Returns the number of slots freed."""
+    start = -(-req.kv_len // page_size) * page_size
+    if start >= end:
+        return 0
+    allocator.free(req_to_token_pool.host[held_row(req), start:end])
+    return -(-(end - start) // page_size) * page_size
 
 
 def decode_slots_needed(reqs: list[Req], page_size: int) -> int:

@@ -20,8 +20,9 @@ class SchedulerOutputProcessorMixin:
     waiting_queue: list[Req]
 
     def stream_output(self, out: StepOutput) -> BatchTokenIDOutput:
-        """One ReqOutput per request that got a token or finished in `out`: its new token ids, logprobs
-        when asked for, its finish reason once finished, and (with its first output only) what the
+        """One ReqOutput per request that got tokens or finished in `out`: its new token ids (several
+        after a verify step), logprobs when asked for, its drafts and accepted drafts of a verify
+        step, its finish reason once finished, and (with its first output only) what the
         detokenizer needs to know about it."""
         reqs = {r.rid: r for r in self.running}
         reqs.update((r.rid, r) for r in out.finished)
@@ -34,12 +35,14 @@ class SchedulerOutputProcessorMixin:
         for rid in [*out.new_token_ids, *finished_only]:
             req = reqs[rid]
             params = req.sampling_params
-            new = [out.new_token_ids[rid]] if rid in out.new_token_ids else []
+            new = out.new_token_ids.get(rid, [])
             o = ReqOutput(rid=rid, token_ids=new, cached_tokens=req.cached_tokens)
+            if rid in out.drafts:
+                o.spec_draft_tokens, o.spec_accepted_tokens = len(out.drafts[rid]), out.accepted[rid]
             if params.return_logprob and new:
-                o.token_logprobs = req.output_token_logprobs[-1:]
+                o.token_logprobs = req.output_token_logprobs[-len(new) :]
                 if params.top_logprobs_num:
-                    o.top_logprobs = req.output_top_logprobs[-1:]
+                    o.top_logprobs = req.output_top_logprobs[-len(new) :]
             if not req.detokenize_params_sent:  # the first output: the prompt's logprobs go with it
                 if params.wants_input_logprobs:
                     o.input_token_logprobs = req.input_token_logprob_pairs()

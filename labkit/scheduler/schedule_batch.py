@@ -22,6 +22,7 @@ from labkit.model_executor.forward_batch import ForwardMode
 from labkit.model_executor.future_map import FutureMap
 from labkit.reprs import Summarized
 from labkit.sampling.sampling_params import SamplingParams
+from labkit.speculative.verify import SpecState
 from labkit.tokenizer.detokenizer import find_stop
 
 EMPTY_INDICES = torch.empty((0,), dtype=torch.int64)
@@ -74,6 +75,7 @@ class Req(Summarized):
     # Structured output: the request's matcher (labkit.constrained), advanced as each token is committed
     # (Scheduler.process_batch_result). A retracted request keeps its output_ids, so it keeps its matcher.
     grammar: BaseGrammarObject | None = None
+    spec: SpecState = field(default_factory=SpecState)  # speculative decoding's counts and pauses
 
     def __post_init__(self) -> None:
         self.times.setdefault("arrival", time.perf_counter())
@@ -198,6 +200,10 @@ class ScheduleBatch(Summarized):
     out_cache_loc: torch.Tensor = EMPTY_INDICES
     decoding_reqs: list[Req] = field(default_factory=list)  # MIXED: the decodes folded in
     sampled_rows: list[int] = field(default_factory=list)  # rows whose sampled token is kept (commit)
+    # TARGET_VERIFY: each request's drafts, and the sampler's rows (labkit/speculative/verify.py);
+    # its input_ids/positions/out_cache_loc then list each request's 1 + len(draft) rows.
+    drafts: list[list[int]] = field(default_factory=list)
+    sample_rows: list[Any] = field(default_factory=list)
 
     def summary(self) -> dict[str, object]:
         out: dict[str, object] = {"step": self.step, "forward_mode": self.forward_mode.name}
@@ -216,6 +222,14 @@ class ScheduleBatch(Summarized):
     def req_pool_indices(self) -> list[int]:
         """The request slot of each request (all hold one once the batch's memory is allocated)."""
         return [held_row(r) for r in self.reqs]
+
+    def forward_rows(self) -> tuple[list[int], list[int]]:
+        """(request slot, sequence length) of each row the forward computes logits for: one per
+        request, or for TARGET_VERIFY one per input token (row j of a request sees positions 0..its own)."""
+        if self.forward_mode != ForwardMode.TARGET_VERIFY:
+            return self.req_pool_indices, self.seq_lens
+        slots = [s for s, n in zip(self.req_pool_indices, self.extend_lens) for _ in range(n)]
+        return slots, [p + 1 for p in self.positions]
 
     def is_empty(self) -> bool:
         return not self.reqs

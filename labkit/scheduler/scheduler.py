@@ -31,6 +31,7 @@ from labkit.scheduler.output_processor import SchedulerOutputProcessorMixin
 from labkit.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, Tokenizer
 from labkit.scheduler.schedule_policy import PrefillAdder, SchedulePolicy, make_policy
 from labkit.scheduler.scheduler_metrics import SchedulerMetricsMixin
+from labkit.scheduler.speculation import SchedulerSpecMixin
 from labkit.scheduler.tp_sync import SchedulerCall, SchedulerTPMixin
 from labkit.trace.events import Station
 from labkit.trace.recorder import Tracer
@@ -68,15 +69,20 @@ class StepOutput:
     rids: list[str] = field(default_factory=list)
     prefix_lens: list[int] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
-    new_token_ids: dict[str, int] = field(default_factory=dict)  # rid -> token sampled this step
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)  # rid -> tokens it gained this step
     finished: list[Req] = field(default_factory=list)
     retracted: list[str] = field(default_factory=list)
     blocked: dict[str, str] = field(default_factory=dict)  # waiting rid -> what held it back
     cache_hit_tokens: int = 0
     expert_tokens: list[list[int]] | None = None  # traced MoE models: [MoE layer][expert] tokens routed
+    # Speculative decoding (TARGET_VERIFY steps): each drafting request's drafts and how many it kept,
+    # and the KV slots allocated for rejected drafts and given back.
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+    rollback_slots: int = 0
 
 
-class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerTPMixin):
+class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerTPMixin, SchedulerSpecMixin):
     def __init__(
         self, config: EngineConfig, model_runner: ModelRunner, tokenizer: Tokenizer | None, tracer: Tracer | None = None
     ):
@@ -116,9 +122,13 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         self.aborted: list[Req] = []  # aborted since the last step, reported by the next one
         self.new_token_ratio = self.init_new_token_ratio
         self.step_id = 0
+        self.drafter = self._make_drafter()
         # Overlap scheduling: the batch launched last step, whose tokens the host has not taken yet.
+        # Not with speculation: a step's drafts come from the tokens of the step before.
         on_cuda = model_runner.device.type == "cuda"
-        self.overlap = not config.disable_overlap_schedule and (on_cuda or config.overlap_schedule_on_cpu)
+        self.overlap = (
+            not config.disable_overlap_schedule and (on_cuda or config.overlap_schedule_on_cpu) and self.drafter is None
+        )
         self.in_flight: tuple[ScheduleBatch, HostSample] | None = None
 
     @classmethod
@@ -235,6 +245,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         self.tree_cache.cache_finished_req(req)
         req.drop_placeholder()
         req.times["finished"] = time.perf_counter()
+        if self.drafter is not None:
+            self.drafter.release(req)
 
     # ---- one iteration -----------------------------------------------------------------------
     def step(self) -> StepOutput:
@@ -251,6 +263,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         batch = self.get_next_batch_to_run(out)
         if batch is None:
             self._take_in_flight(out, None)
+        elif batch.forward_mode == ForwardMode.TARGET_VERIFY:
+            self.run_verify_batch(batch, out)
         else:
             if self.in_flight is not None and batch_needs_host_history(batch):
                 self._take_in_flight(out, batch)  # its penalties need the tokens still on the device
@@ -375,6 +389,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         if not self.running:
             return None
         batch = ScheduleBatch(reqs=list(self.running), forward_mode=ForwardMode.DECODE, step=self.step_id)
+        if self.drafter is not None and self.prepare_verify(batch):
+            return batch
         if not alloc_for_decode(batch, self.req_to_token_pool, self.allocator, self.tree_cache, self.page_size):
             raise RuntimeError("KV allocation failed for decode after retraction")
         return batch
@@ -398,6 +414,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
                 self.aborted.append(req)
                 break
             req.reset_for_retract()
+            if self.drafter is not None:
+                self.drafter.release(req)
             retracted.append(req)
         kept = set(map(id, victims))
         self.running = [r for r in self.running if id(r) in kept]
@@ -410,11 +428,12 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         start = time.perf_counter()
         logits = self.model_runner.forward(forward_batch)
         mid = time.perf_counter()
+        rows = batch.sample_rows or batch.reqs  # a verify batch samples every draft's row
         # Filled on the host while the device runs the forward (station 8's grammar mask).
         vocab_mask = build_vocab_mask(
-            [r.grammar for r in batch.reqs], self.model_runner.vocab_size, self.model_runner.eos_token_ids
+            [r.grammar for r in rows], self.model_runner.vocab_size, self.model_runner.eos_token_ids
         )
-        sample = self.model_runner.sample(logits, batch.reqs, forward_batch, vocab_mask)
+        sample = self.model_runner.sample(logits, rows, forward_batch, vocab_mask)
         if forward_batch.input_logprobs is not None:  # reads them now: such a step gives up the overlap
             for req, (logprobs, top) in zip(batch.reqs, forward_batch.input_logprobs.per_request()):
                 req.add_input_logprobs(logprobs, top)
@@ -457,26 +476,31 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         next_ids = result.next_token_ids.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         in_next = set(map(id, next_batch.reqs)) if next_batch is not None else set()
-        now = time.perf_counter()
         for i in batch.sampled_rows:
             req = batch.reqs[i]
             if req.finished():  # aborted or cut off after its batch was launched
                 continue
             req.output_ids[-1] = next_ids[i]
-            req.times.setdefault("first_token", now)
-            if req.grammar is not None and not req.grammar.accept_token(next_ids[i]):
-                # Only a stop token its mask gave a row whose grammar allowed nothing (build_vocab_mask).
-                req.finished_reason = FinishReason("stop", None, "the grammar admits no further token")
-            if logprobs is not None and req.sampling_params.return_logprob:
-                req.output_token_logprobs.append(logprobs[i])
-                if req.sampling_params.top_logprobs_num and result.top_logprobs is not None:
-                    ids, lps = result.top_logprobs[i]
-                    req.output_top_logprobs.append(list(zip(ids, lps)))
-            out.new_token_ids[req.rid] = next_ids[i]
-            req.check_finished(self.model_runner.eos_token_ids, self.tokenizer, self.max_req_len)
+            self.take_token(req, i, result, logprobs)
+            out.new_token_ids[req.rid] = [next_ids[i]]
             if req.finished():
                 self._finish(req, id(req) in in_next)
                 out.finished.append(req)
+
+    def take_token(self, req: Req, row: int, result: SampleOutput, logprobs: list[float] | None) -> None:
+        """The request's newest output id (sampled at `row`) is final: advance its grammar, keep its
+        logprobs when asked for, and check whether it finishes the request."""
+        token = req.output_ids[-1]
+        req.times.setdefault("first_token", time.perf_counter())
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            # Only a stop token its mask gave a row whose grammar allowed nothing (build_vocab_mask).
+            req.finished_reason = FinishReason("stop", None, "the grammar admits no further token")
+        if logprobs is not None and req.sampling_params.return_logprob:
+            req.output_token_logprobs.append(logprobs[row])
+            if req.sampling_params.top_logprobs_num and result.top_logprobs is not None:
+                ids, lps = result.top_logprobs[row]
+                req.output_top_logprobs.append(list(zip(ids, lps)))
+        req.check_finished(self.model_runner.eos_token_ids, self.tokenizer, self.max_req_len)
 
     def _finish(self, req: Req, in_next_batch: bool) -> None:
         if req in self.running:

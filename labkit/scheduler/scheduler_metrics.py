@@ -13,6 +13,7 @@ import torch
 from labkit.mem_cache.allocator import TokenToKVPoolAllocator
 from labkit.mem_cache.base_prefix_cache import BasePrefixCache
 from labkit.mem_cache.memory_pool import ReqToTokenPool
+from labkit.model_executor.forward_batch import ForwardMode
 from labkit.sampling.sampler import SampleOutput
 from labkit.scheduler.schedule_batch import Req, ScheduleBatch
 from labkit.trace.events import PoolUsage, Station, StepRecord
@@ -71,10 +72,12 @@ class SchedulerMetricsMixin:
         top = torch.topk(logits, k=min(5, logits.shape[-1]), dim=-1)
         offset = 0
         loc = batch.out_cache_loc.tolist()
+        verify = batch.forward_mode == ForwardMode.TARGET_VERIFY
         for i, req in enumerate(batch.reqs):
             n = batch.extend_lens[i]
             sl = slice(offset, offset + n)
             offset += n
+            row = offset - 1 if verify else i  # a verify batch has logits for every row: show the last
             tracer.station(
                 req.rid,
                 Station.BATCH,
@@ -103,10 +106,11 @@ class SchedulerMetricsMixin:
                 mid,
                 end,
                 step=self.step_id,
-                token=int(sample.next_token_ids[i]),
+                token=int(sample.next_token_ids[row]),
                 discarded=req.is_chunked or req.sampling_params.max_new_tokens == 0,  # a chunk, or a prompt only scored
-                top_ids=top.indices[i].tolist(),
-                top_logits=top.values[i].tolist(),
+                top_ids=top.indices[row].tolist(),
+                top_logits=top.values[row].tolist(),
+                **({"draft": batch.drafts[i], "target": sample.next_token_ids[sl].tolist()} if verify else {}),
             )
 
     def _trace_step(self, tracer: Tracer, out: StepOutput, start: float) -> None:
@@ -135,6 +139,9 @@ class SchedulerMetricsMixin:
                 comm_seconds=comm.seconds,
                 sampled_digest=zlib.crc32(repr(sorted(out.new_token_ids.items())).encode()),
                 expert_tokens=out.expert_tokens,
+                drafts=out.drafts,
+                accepted=out.accepted,
+                rollback_slots=out.rollback_slots,
             )
         )
         # The tree with its locks and the waiting queue with its matches, for replaying (labkit.viz).

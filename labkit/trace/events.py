@@ -49,7 +49,7 @@ class StepRecord:
     step: int
     start: float
     end: float
-    forward_mode: str  # EXTEND / DECODE / MIXED / IDLE
+    forward_mode: str  # EXTEND / DECODE / MIXED / TARGET_VERIFY / IDLE
     rids: list[str]
     extend_lens: list[int]  # new tokens per request this step (1 for decodes)
     prefix_lens: list[int]
@@ -71,6 +71,11 @@ class StepRecord:
     # MoE models: tokens routed to each expert, [MoE layer][expert] (global expert ids; every rank
     # routes every token, so the counts are the same on every rank). None for dense models.
     expert_tokens: list[list[int]] | None = None
+    # Speculative decoding (TARGET_VERIFY steps): each drafting request's drafts, how many of them it
+    # kept, and the KV slots allocated for the rejected ones and given back at once.
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+    rollback_slots: int = 0
 
 
 @dataclass

@@ -22,7 +22,7 @@ STEP_COLUMNS = [
     "step", "start", "end", "duration", "forward_mode", "batch_size", "rids", "extend_lens",
     "prefix_lens", "num_tokens", "cache_hit_tokens", "pool_total", "pool_free", "pool_evictable",
     "pool_protected", "pool_request_owned", "running", "waiting", "chunked_rid", "finished",
-    "retracted", "blocked", "expert_tokens",
+    "retracted", "blocked", "expert_tokens", "drafts", "accepted", "rollback_slots",
 ]  # fmt: skip
 TREE_COLUMNS = ["kind", "time", "node_id", "parent_id", "num_tokens", "tokens"]
 RANK_COLUMNS = [
@@ -88,6 +88,9 @@ def to_dataframe(tracer: Tracer, kind: Kind = "stations") -> pd.DataFrame:
                 "retracted": s.retracted,
                 "blocked": s.blocked,
                 "expert_tokens": s.expert_tokens,
+                "drafts": s.drafts,
+                "accepted": s.accepted,
+                "rollback_slots": s.rollback_slots,
             }  # fmt: skip
             for s in tracer.steps
         ]
@@ -159,6 +162,7 @@ def to_perfetto(tracer: Tracer) -> dict[str, Any]:
             "blocked": s.blocked, "rank": s.rank, "comm_calls": s.comm_calls,
             "comm_bytes": s.comm_bytes, "comm_seconds": s.comm_seconds,
             "sampled_digest": s.sampled_digest, "expert_tokens": s.expert_tokens,
+            "drafts": s.drafts, "accepted": s.accepted, "rollback_slots": s.rollback_slots,
         }  # fmt: skip
         out.append({
             "name": s.forward_mode, "cat": "step", "ph": "X", "ts": us(s.start),

@@ -1,0 +1,109 @@
+"""SchedulerSpecMixin: speculative decoding in the scheduler (labkit/speculative/verify.py explains
+the rule). A decode step becomes a TARGET_VERIFY step when some request drafts and the drafts' KV
+fits in free pages; it runs synchronously (overlap scheduling is off with speculation: the drafts of
+step N+1 need step N's tokens on the host), and each request keeps its accepted run at once."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from labkit.model_executor.forward_batch import ForwardMode
+from labkit.scheduler.batch_memory import alloc_for_verify, release_rejected
+from labkit.speculative.base import Drafter, get_drafter
+from labkit.speculative.verify import accept, verify_rows
+
+if TYPE_CHECKING:
+    from labkit.config import EngineConfig
+    from labkit.mem_cache.allocator import TokenToKVPoolAllocator
+    from labkit.mem_cache.memory_pool import ReqToTokenPool
+    from labkit.model_executor.future_map import HostSample
+    from labkit.model_executor.model_runner import ModelRunner
+    from labkit.sampling.sampler import SampleOutput
+    from labkit.scheduler.schedule_batch import Req, ScheduleBatch
+    from labkit.scheduler.scheduler import StepOutput
+
+
+class SchedulerSpecMixin:
+    """Mixed into Scheduler, which provides the state and methods declared below."""
+
+    config: EngineConfig
+    model_runner: ModelRunner
+    req_to_token_pool: ReqToTokenPool
+    allocator: TokenToKVPoolAllocator
+    page_size: int
+    step_id: int
+    max_req_len: int
+    drafter: Drafter | None
+
+    if TYPE_CHECKING:  # the Scheduler's
+
+        def run_batch(self, batch: ScheduleBatch, out: StepOutput) -> HostSample: ...
+        def take_token(self, req: Req, row: int, result: SampleOutput, logprobs: list[float] | None) -> None: ...
+        def _finish(self, req: Req, in_next_batch: bool) -> None: ...
+
+    def _make_drafter(self) -> Drafter | None:
+        name = self.config.speculative_algorithm
+        if not name:
+            return None
+        k = self.config.speculative_num_draft_tokens
+        if k < 1:
+            raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {k}")
+        return get_drafter(name)(self.config, self.model_runner)
+
+    def draft_budgets(self, reqs: list[Req]) -> list[int]:
+        """Drafts each request may take now: none while paused or under a grammar (its matcher
+        cannot look ahead), and never past max_new_tokens or the context (the last kept token is
+        the target's own)."""
+        k = self.config.speculative_num_draft_tokens
+        budgets = []
+        for r in reqs:
+            room = min(r.sampling_params.max_new_tokens - len(r.output_ids), self.max_req_len - r.seqlen)
+            drafting = r.grammar is None and r.spec.drafting(self.step_id)
+            budgets.append(max(0, min(k, room - 1)) if drafting else 0)
+        return budgets
+
+    def prepare_verify(self, batch: ScheduleBatch) -> bool:
+        """Make a DECODE batch a TARGET_VERIFY one: its requests' drafts, their KV slots and the
+        sampler's rows. False (the batch untouched) when no request drafts or the slots are short."""
+        assert self.drafter is not None
+        budgets = self.draft_budgets(batch.reqs)
+        if not any(budgets):
+            return False
+        drafts = [d[:b] for d, b in zip(self.drafter.propose(batch.reqs, budgets), budgets)]
+        if not any(drafts) or not alloc_for_verify(
+            batch, drafts, self.req_to_token_pool, self.allocator, self.page_size
+        ):
+            return False
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.drafts = drafts
+        batch.sample_rows = verify_rows(batch.reqs, drafts)
+        return True
+
+    def run_verify_batch(self, batch: ScheduleBatch, out: StepOutput) -> None:
+        """Forward, pick the target's token at every row, keep each request's accepted run (cut where
+        a stop condition falls inside it), and give back the KV of what was not kept."""
+        assert self.drafter is not None
+        result = self.run_batch(batch, out).wait()
+        target_ids = result.next_token_ids.tolist()
+        logprobs = result.logprobs.tolist() if result.logprobs is not None else None
+        row = 0
+        for req, draft, gained in zip(batch.reqs, batch.drafts, accept(batch.drafts, target_ids)):
+            kept = []
+            for j, token in enumerate(gained):
+                req.output_ids.append(token)
+                kept.append(token)
+                self.take_token(req, row + j, result, logprobs)
+                if req.finished():
+                    break
+            end = req.kv_len + 1 + len(draft)  # the slots this step gave the request
+            req.kv_len = req.seqlen - 1
+            out.rollback_slots += release_rejected(req, end, self.req_to_token_pool, self.allocator, self.page_size)
+            row += 1 + len(draft)
+            out.new_token_ids[req.rid] = kept
+            if draft:
+                accepted = min(len(kept), len(gained) - 1)  # drafts kept (a stop may cut the run)
+                req.spec.record(len(draft), accepted, self.step_id, self.config.speculative_min_accept_rate)
+                out.drafts[req.rid], out.accepted[req.rid] = draft, accepted
+            if req.finished():
+                self._finish(req, False)
+                out.finished.append(req)

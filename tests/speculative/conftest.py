@@ -1,0 +1,39 @@
+"""A drafter for tests: right and wrong at random, so verification accepts runs of every length."""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Sequence
+
+from labkit.speculative.base import DRAFTERS, Drafter, DraftReq, register_drafter
+
+NOISY = "test-noisy"
+
+
+class NoisyDrafter(Drafter):
+    """Drafts the request's last token again (what a random-weight tiny model's greedy output does)
+    with probability RIGHT, else a random token; seeded by the request and its length, so a run is
+    reproducible. With RIGHT = 0 it is wrong (nearly) always."""
+
+    RIGHT = 0.7
+
+    def propose(self, reqs: Sequence[DraftReq], budgets: Sequence[int]) -> list[list[int]]:
+        drafts = []
+        for req, k in zip(reqs, budgets):
+            ids = req.origin_input_ids + req.output_ids
+            rng = random.Random(zlib.crc32(f"{req.rid}/{len(ids)}".encode()))
+            drafts.append([ids[-1] if rng.random() < self.RIGHT else rng.randrange(self.vocab_size) for _ in range(k)])
+        return drafts
+
+    def release(self, req: DraftReq) -> None:
+        pass  # it keeps nothing
+
+
+class WrongDrafter(NoisyDrafter):
+    RIGHT = 0.0
+
+
+if NOISY not in DRAFTERS:
+    register_drafter(NOISY)(NoisyDrafter)
+    register_drafter("test-wrong")(WrongDrafter)

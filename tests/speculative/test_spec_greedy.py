@@ -1,0 +1,88 @@
+"""Speculative decoding changes how many tokens a forward yields, never which: greedy outputs with
+every drafter equal the outputs without speculation, on tiny random models (page sizes 1 and 16,
+radix cache on and off, with retraction) and on the embedded model."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit import Engine
+from tests.speculative.conftest import NOISY
+
+GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+
+
+def run(prompts, params, **kw):
+    engine = Engine(**kw)
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    return engine, outs
+
+
+def spec_totals(outs) -> tuple[int, int]:
+    metas = [o["meta_info"] for o in outs]
+    return sum(m["spec_draft_tokens"] for m in metas), sum(m["spec_accepted_tokens"] for m in metas)
+
+
+def assert_idle(engine: Engine) -> None:
+    usage = engine.pool_usage()
+    assert usage.request_owned == 0 and usage.protected == 0
+    assert usage.free + usage.evictable == usage.total
+    assert engine.req_to_token_pool.available_size() == engine.req_to_token_pool.size
+    assert engine.scheduler.drafter.idle()
+
+
+@pytest.mark.parametrize(
+    "model, page_size, radix, pool",
+    [
+        ("tiny-llama", 1, True, 4096),
+        ("tiny-qwen2", 16, False, 4096),
+        ("tiny-qwen3", 16, True, 4096),
+        ("tiny-qwen3", 1, False, 200),  # small: requests are retracted
+        ("tiny-llama", 16, True, 224),
+    ],
+)
+def test_tiny_models_give_the_same_greedy_tokens_with_speculation(model, page_size, radix, pool):
+    prompts = [[3 + i, 40 + i, 90, 7 * i % 256] * (4 + i) for i in range(5)]
+    kw = dict(model_path=model, load_format="dummy", page_size=page_size, disable_radix_cache=not radix)
+    kw |= dict(max_total_tokens=pool, chunked_prefill_size=64, schedule_conservativeness=0.05)
+    _, plain = run(prompts, GREEDY, **kw)
+    engine, spec = run(prompts, GREEDY, speculative_algorithm=NOISY, speculative_num_draft_tokens=5, **kw)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    drafted, accepted = spec_totals(spec)
+    assert 0 < accepted < drafted  # runs were accepted and cut
+    if pool < 1000:
+        assert sum(o["meta_info"]["retractions"] for o in spec) > 0
+    assert_idle(engine)
+
+
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+COPY = (
+    "Copy this text exactly: The quick brown fox jumps over the lazy dog. The five boxing wizards "
+    "jump quickly. Pack my box with five dozen liquor jugs.\nCopy: The quick brown fox"
+)
+
+
+@pytest.fixture(scope="module")
+def embedded_prompts(embedded_dir):
+    engine = Engine(max_total_tokens=4096)
+    return [engine.tokenizer(COPY)["input_ids"], engine.tokenizer(engine.apply_chat_template(CHAT))["input_ids"]]
+
+
+@pytest.mark.parametrize(
+    "algorithm, page_size, radix",
+    [("ngram", 1, True), ("ngram", 16, False), ("draft", 16, True)],
+)
+def test_the_embedded_model_gives_the_same_greedy_tokens_with_speculation(
+    embedded_prompts, algorithm, page_size, radix
+):
+    kw = dict(max_total_tokens=4096, page_size=page_size, disable_radix_cache=not radix)
+    params = {"temperature": 0, "max_new_tokens": 32}
+    _, plain = run(embedded_prompts, params, **kw)
+    # The draft model is the embedded model itself: every greedy draft is right.
+    engine, spec = run(embedded_prompts, params, speculative_algorithm=algorithm, speculative_num_draft_tokens=3, **kw)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    drafted, accepted = spec_totals(spec)
+    assert accepted > 0
+    if algorithm == "draft":
+        assert accepted == drafted
+    assert_idle(engine)
