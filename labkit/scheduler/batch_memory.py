@@ -8,7 +8,7 @@ import torch
 from labkit.mem_cache.allocator import TokenToKVPoolAllocator
 from labkit.mem_cache.base_prefix_cache import BasePrefixCache, held_row
 from labkit.mem_cache.memory_pool import ReqToTokenPool
-from labkit.scheduler.schedule_batch import Req, ScheduleBatch
+from labkit.scheduler.schedule_batch import EMPTY_INDICES, Req, ScheduleBatch
 
 
 def new_slots_needed(prefix_len: int, seq_len: int, page_size: int) -> int:
@@ -123,17 +123,13 @@ def alloc_for_verify(
     return True
 
 
-def release_rejected(
-    req: Req, end: int, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, page_size: int
-) -> int:
-    """KV rollback after verification: free the slots of positions req.kv_len..end-1 that a verify
-    step allocated and did not keep, page by page (a page the request still uses stays its own: its
-    next tokens fill it). Returns the number of slots freed."""
+def rejected_slots(req: Req, end: int, req_to_token_pool: ReqToTokenPool, page_size: int) -> torch.Tensor:
+    """KV rollback after verification: the slots of positions req.kv_len..end-1 that a verify step
+    allocated and did not keep, in the pages that start at or after kv_len (a page the request still
+    uses stays its own: its next tokens fill it). The caller frees them (allocator.free frees whole
+    pages)."""
     start = -(-req.kv_len // page_size) * page_size
-    if start >= end:
-        return 0
-    allocator.free(req_to_token_pool.host[held_row(req), start:end])
-    return -(-(end - start) // page_size) * page_size
+    return req_to_token_pool.host[held_row(req), start:end] if start < end else EMPTY_INDICES
 
 
 def decode_slots_needed(reqs: list[Req], page_size: int) -> int:

@@ -124,11 +124,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         self.step_id = 0
         self.drafter = self._make_drafter()
         # Overlap scheduling: the batch launched last step, whose tokens the host has not taken yet.
-        # Not with speculation: a step's drafts come from the tokens of the step before.
+        # With speculation, a step that drafts waits for them first (drafts follow the newest tokens).
         on_cuda = model_runner.device.type == "cuda"
-        self.overlap = (
-            not config.disable_overlap_schedule and (on_cuda or config.overlap_schedule_on_cpu) and self.drafter is None
-        )
+        self.overlap = not config.disable_overlap_schedule and (on_cuda or config.overlap_schedule_on_cpu)
         self.in_flight: tuple[ScheduleBatch, HostSample] | None = None
 
     @classmethod
@@ -380,6 +378,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
 
     def update_running_batch(self, out: StepOutput) -> ScheduleBatch | None:
         """Decode every running request; retract some first if their next tokens do not fit."""
+        if self.drafter is not None and self.in_flight is not None and any(self.draft_budgets(self.running)):
+            self._take_in_flight(out, None)  # drafts follow the tokens still on their way
         if decode_slots_needed(self.running, self.page_size) > self._reclaimable():
             out.retracted = self.retract_decode()
             self.new_token_ratio = self.init_new_token_ratio

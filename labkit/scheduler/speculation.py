@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from labkit.model_executor.forward_batch import ForwardMode
-from labkit.scheduler.batch_memory import alloc_for_verify, release_rejected
+from labkit.scheduler.batch_memory import alloc_for_verify, rejected_slots
 from labkit.speculative.base import Drafter, get_drafter
 from labkit.speculative.verify import accept, verify_rows
 
@@ -70,6 +72,9 @@ class SchedulerSpecMixin:
         if not any(budgets):
             return False
         drafts = [d[:b] for d, b in zip(self.drafter.propose(batch.reqs, budgets), budgets)]
+        for req, budget, draft in zip(batch.reqs, budgets, drafts):
+            if budget and not draft:  # a step without drafts costs the overlap: count it as a miss
+                req.spec.miss(self.step_id, self.config.speculative_min_accept_rate)
         if not any(drafts) or not alloc_for_verify(
             batch, drafts, self.req_to_token_pool, self.allocator, self.page_size
         ):
@@ -87,6 +92,7 @@ class SchedulerSpecMixin:
         target_ids = result.next_token_ids.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         row = 0
+        rejected, finished = [], []
         for req, draft, gained in zip(batch.reqs, batch.drafts, accept(batch.drafts, target_ids)):
             kept = []
             for j, token in enumerate(gained):
@@ -97,7 +103,8 @@ class SchedulerSpecMixin:
                     break
             end = req.kv_len + 1 + len(draft)  # the slots this step gave the request
             req.kv_len = req.seqlen - 1
-            out.rollback_slots += release_rejected(req, end, self.req_to_token_pool, self.allocator, self.page_size)
+            rejected.append(rejected_slots(req, end, self.req_to_token_pool, self.page_size))
+            out.rollback_slots += -(-len(rejected[-1]) // self.page_size) * self.page_size
             row += 1 + len(draft)
             out.new_token_ids[req.rid] = kept
             if draft:
@@ -105,5 +112,10 @@ class SchedulerSpecMixin:
                 req.spec.record(len(draft), accepted, self.step_id, self.config.speculative_min_accept_rate)
                 out.drafts[req.rid], out.accepted[req.rid] = draft, accepted
             if req.finished():
-                self._finish(req, False)
-                out.finished.append(req)
+                finished.append(req)
+        # One free for the batch (a free costs a few tensor ops, whatever its size), before the
+        # finished requests hand the rest of their KV to the cache.
+        self.allocator.free(torch.cat(rejected))
+        for req in finished:
+            self._finish(req, False)
+            out.finished.append(req)

@@ -19,7 +19,7 @@ import torch
 from labkit.mem_cache.chunk_cache import ChunkCache
 from labkit.model_executor.forward_batch import ForwardMode
 from labkit.sampling.sampling_params import SamplingParams
-from labkit.scheduler.batch_memory import alloc_for_decode, alloc_for_extend, release_rejected
+from labkit.scheduler.batch_memory import alloc_for_decode, alloc_for_extend, rejected_slots
 from labkit.scheduler.schedule_batch import Req, ScheduleBatch
 from labkit.speculative.base import Drafter, DraftReq, register_drafter
 
@@ -89,7 +89,7 @@ class DraftModelDrafter(Drafter):
         twin.kv_len = min(twin.kv_len, same, len(ids) - 1)
         if twin.req_pool_idx is not None:
             pool = self.runner.req_to_token_pool
-            release_rejected(twin, end, pool, self.runner.token_to_kv_pool_allocator, self.page_size)
+            self.runner.token_to_kv_pool_allocator.free(rejected_slots(twin, end, pool, self.page_size))
             twin.prefix_indices = pool.host[twin.req_pool_idx, : twin.kv_len].clone()
         twin.output_ids = list(req.output_ids)
         twin.extend_input_len = len(ids) - twin.kv_len

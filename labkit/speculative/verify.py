@@ -91,8 +91,16 @@ class SpecState:
         (each pause twice the last, so a hopeless request soon costs almost nothing; a success
         resets it)."""
         self.count(drafted, accepted)
-        self.recent_rate = RATE_WEIGHT * accepted / drafted + (1 - RATE_WEIGHT) * self.recent_rate
-        if accepted:
+        self._update(accepted / drafted, step, min_rate)
+
+    def miss(self, step: int, min_rate: float) -> None:
+        """The drafter had nothing to propose: as bad as drafts all rejected (the step still loses
+        the overlap of a plain decode step), but not counted as drafts."""
+        self._update(0.0, step, min_rate)
+
+    def _update(self, rate: float, step: int, min_rate: float) -> None:
+        self.recent_rate = RATE_WEIGHT * rate + (1 - RATE_WEIGHT) * self.recent_rate
+        if rate > 0:
             self.pause = PAUSE_STEPS
         if self.recent_rate < min_rate:
             self.paused_until = step + 1 + self.pause

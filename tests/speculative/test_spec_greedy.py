@@ -32,19 +32,21 @@ def assert_idle(engine: Engine) -> None:
 
 
 @pytest.mark.parametrize(
-    "model, page_size, radix, pool",
+    "model, page_size, radix, pool, overlap",
     [
-        ("tiny-llama", 1, True, 4096),
-        ("tiny-qwen2", 16, False, 4096),
-        ("tiny-qwen3", 16, True, 4096),
-        ("tiny-qwen3", 1, False, 200),  # small: requests are retracted
-        ("tiny-llama", 16, True, 224),
+        ("tiny-llama", 1, True, 4096, False),
+        ("tiny-qwen2", 16, False, 4096, True),
+        ("tiny-qwen3", 16, True, 4096, False),
+        ("tiny-qwen3", 1, False, 200, True),  # small: requests are retracted
+        ("tiny-llama", 16, True, 224, False),
     ],
 )
-def test_tiny_models_give_the_same_greedy_tokens_with_speculation(model, page_size, radix, pool):
+def test_tiny_models_give_the_same_greedy_tokens_with_speculation(model, page_size, radix, pool, overlap):
+    """With overlap scheduling, steps that draft wait for the step before; the others overlap."""
     prompts = [[3 + i, 40 + i, 90, 7 * i % 256] * (4 + i) for i in range(5)]
     kw = dict(model_path=model, load_format="dummy", page_size=page_size, disable_radix_cache=not radix)
     kw |= dict(max_total_tokens=pool, chunked_prefill_size=64, schedule_conservativeness=0.05)
+    kw |= dict(overlap_schedule_on_cpu=overlap)
     _, plain = run(prompts, GREEDY, **kw)
     engine, spec = run(prompts, GREEDY, speculative_algorithm=NOISY, speculative_num_draft_tokens=5, **kw)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]

@@ -13,16 +13,16 @@ from tests.speculative.conftest import NOISY
 
 
 @pytest.mark.parametrize(
-    "seed, algorithm, page_size, radix, mixed",
+    "seed, algorithm, page_size, radix, mixed, overlap",
     [
-        (0, NOISY, 1, True, False),
-        (1, NOISY, 4, False, True),
-        (2, NOISY, 16, True, True),
-        (3, "draft", 4, True, False),
-        (4, "ngram", 1, False, False),
+        (0, NOISY, 1, True, False, False),
+        (1, NOISY, 4, False, True, True),
+        (2, NOISY, 16, True, True, False),
+        (3, "draft", 4, True, False, True),
+        (4, "ngram", 1, False, False, False),
     ],
 )
-def test_random_workload_with_speculation_accounts_for_every_slot(seed, algorithm, page_size, radix, mixed):
+def test_random_workload_with_speculation_accounts_for_every_slot(seed, algorithm, page_size, radix, mixed, overlap):
     rng = random.Random(seed)
     engine = Engine(
         model_path="tiny-llama",
@@ -35,6 +35,7 @@ def test_random_workload_with_speculation_accounts_for_every_slot(seed, algorith
         enable_mixed_chunk=mixed,
         max_running_requests=6,
         schedule_conservativeness=0.3,
+        overlap_schedule_on_cpu=overlap,
         speculative_algorithm=algorithm,
         speculative_num_draft_tokens=rng.choice([2, 5]),
         speculative_draft_model_path="tiny-qwen3",
