@@ -53,6 +53,7 @@ def test_the_teaching_notebooks_are_there():
         "06_serving",
         "08_parallelism",
         "09_moe",
+        "10_speculative_decoding",
         "11_structured_output_and_programs",
     } <= names
 

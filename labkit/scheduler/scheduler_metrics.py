@@ -16,6 +16,7 @@ from labkit.mem_cache.memory_pool import ReqToTokenPool
 from labkit.model_executor.forward_batch import ForwardMode
 from labkit.sampling.sampler import SampleOutput
 from labkit.scheduler.schedule_batch import Req, ScheduleBatch
+from labkit.speculative.verify import accept
 from labkit.trace.events import PoolUsage, Station, StepRecord
 from labkit.trace.recorder import Tracer
 
@@ -77,7 +78,11 @@ class SchedulerMetricsMixin:
             n = batch.extend_lens[i]
             sl = slice(offset, offset + n)
             offset += n
-            row = offset - 1 if verify else i  # a verify batch has logits for every row: show the last
+            row, extra = i, {}
+            if verify:  # logits for every row: show the row whose token ended the accepted run
+                targets = sample.next_token_ids[sl].tolist()
+                kept = accept([batch.drafts[i]], targets)[0]
+                row, extra = sl.start + len(kept) - 1, {"draft": batch.drafts[i], "target": targets, "kept": kept}
             tracer.station(
                 req.rid,
                 Station.BATCH,
@@ -110,7 +115,7 @@ class SchedulerMetricsMixin:
                 discarded=req.is_chunked or req.sampling_params.max_new_tokens == 0,  # a chunk, or a prompt only scored
                 top_ids=top.indices[row].tolist(),
                 top_logits=top.values[row].tolist(),
-                **({"draft": batch.drafts[i], "target": sample.next_token_ids[sl].tolist()} if verify else {}),
+                **extra,
             )
 
     def _trace_step(self, tracer: Tracer, out: StepOutput, start: float) -> None:

@@ -72,6 +72,10 @@ class SchedulerSpecMixin:
         if not any(budgets):
             return False
         drafts = [d[:b] for d, b in zip(self.drafter.propose(batch.reqs, budgets), budgets)]
+        vocab = self.model_runner.vocab_size
+        if any(not 0 <= t < vocab for d in drafts for t in d):  # would fail deep in the embedding
+            name = self.config.speculative_algorithm
+            raise ValueError(f"drafter {name!r} proposed a token id outside the vocabulary [0, {vocab})")
         for req, budget, draft in zip(batch.reqs, budgets, drafts):
             if budget and not draft:  # a step without drafts costs the overlap: count it as a miss
                 req.spec.miss(self.step_id, self.config.speculative_min_accept_rate)

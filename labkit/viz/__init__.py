@@ -10,6 +10,8 @@ value of a cell), tables are pandas DataFrames.
     draw_stations_by_process(from_perfetto("trace.json"))   # a server trace: stations by process
     draw_rank_timeline(run)                    # tensor parallelism: every rank's steps, time in collectives
     draw_expert_load(run, layer=0); expert_load(run); load_imbalance(run)   # MoE: tokens per expert per step
+    spec_frame(run); draw_drafts(run, rid)     # speculative decoding: drafts against the target, token by token
+    draw_accept_lengths(run); draw_accept_histogram(run); draw_spec_kv(run)   # accepted drafts, KV rollback
     StationStepper(run, rid).show(); RunReplayer(run).show()   # ipywidgets, static fallback
 
 How the tree is rebuilt per step: the scheduler's trace hook records a compact TreeSnapshot (nodes
@@ -32,6 +34,14 @@ from labkit.viz.policies import draw_policy_comparison
 from labkit.viz.processes import draw_stations_by_process
 from labkit.viz.ranks import draw_rank_timeline, rank_steps
 from labkit.viz.run import Run
+from labkit.viz.speculative import (
+    draft_runs,
+    draw_accept_histogram,
+    draw_accept_lengths,
+    draw_drafts,
+    draw_spec_kv,
+    spec_frame,
+)
 from labkit.viz.timeline import batch_frame, cells_frame, draw_timeline, draw_timelines
 from labkit.viz.tree import draw_radix_tree
 from labkit.viz.waiting import draw_waiting, waiting_frame, waiting_table
@@ -66,9 +76,11 @@ def _figure_png(fig) -> tuple[bytes, dict[str, int]]:
 _register_png_formatter()
 
 __all__ = [
-    "Run", "RunReplayer", "StationStepper", "batch_frame", "cells_frame", "describe_request", "draw_expert_load",
-    "draw_journey", "draw_kv_pool", "draw_memory", "draw_policy_comparison", "draw_radix_tree",
-    "draw_rank_timeline", "draw_stations_by_process", "draw_timeline", "draw_timelines", "draw_waiting",
+    "Run", "RunReplayer", "StationStepper", "batch_frame", "cells_frame", "describe_request", "draft_runs",
+    "draw_accept_histogram", "draw_accept_lengths", "draw_drafts", "draw_expert_load", "draw_journey",
+    "draw_kv_pool", "draw_memory", "draw_policy_comparison", "draw_radix_tree", "draw_rank_timeline",
+    "draw_spec_kv", "draw_stations_by_process", "draw_timeline", "draw_timelines", "draw_waiting",
     "expert_load", "fragmentation", "journey_latency", "kv_snapshot", "load_imbalance", "memory_frame",
-    "page_owners", "rank_steps", "req_to_token_table", "waiting_frame", "waiting_table", "widget_frontend",
+    "page_owners", "rank_steps", "req_to_token_table", "spec_frame", "waiting_frame", "waiting_table",
+    "widget_frontend",
 ]  # fmt: skip
