@@ -28,10 +28,10 @@ class NgramIndex:
     ids: list[int] = field(default_factory=list)
     last_end: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end of its latest occurrence
 
-    def extend(self, ids: Sequence[int]) -> None:
-        """Index `ids`, which must start with the ids indexed so far."""
+    def extend(self, new_ids: Sequence[int]) -> None:
+        """Append `new_ids` to the sequence and index what they complete (O(new ids) per call)."""
         start = len(self.ids)
-        self.ids = list(ids)
+        self.ids += new_ids
         # Index n-grams ending before the newest position only: the newest one is the query.
         for end in range(max(start, 1), len(self.ids)):
             for n in range(self.min_n, min(self.max_n, end) + 1):
@@ -67,15 +67,13 @@ class NgramDrafter(Drafter):
         self.shared: OrderedDict[str, NgramIndex] = OrderedDict()  # finished requests' (share only)
 
     def propose(self, reqs: Sequence[DraftReq], budgets: Sequence[int]) -> list[list[int]]:
-        drafts = []
+        drafts: list[list[int]] = []
         for req, k in zip(reqs, budgets):
             if k <= 0:
                 drafts.append([])
                 continue
-            index = self.indexes.setdefault(req.rid, NgramIndex(self.min_n, self.max_n))
-            ids = req.origin_input_ids + req.output_ids
-            index.extend(ids)
-            suffix = ids[-self.max_n :]
+            index = self._synced(req)
+            suffix = index.ids[-self.max_n :]
             draft = index.lookup(suffix, k)
             for other in reversed(self.shared.values()) if self.share and not draft else ():
                 draft = other.lookup(suffix, k)
@@ -84,14 +82,22 @@ class NgramDrafter(Drafter):
             drafts.append(draft)
         return drafts
 
+    def _synced(self, req: DraftReq) -> NgramIndex:
+        """The request's index, extended by the ids it gained since the last call."""
+        index = self.indexes.setdefault(req.rid, NgramIndex(self.min_n, self.max_n))
+        prompt = req.origin_input_ids
+        if len(index.ids) < len(prompt):
+            index.extend(prompt[len(index.ids) :])
+        index.extend(req.output_ids[len(index.ids) - len(prompt) :])
+        return index
+
     def release(self, req: DraftReq) -> None:
-        index = self.indexes.pop(req.rid, None)
-        if self.share and index is not None:
-            index.extend(req.origin_input_ids + req.output_ids)
-            self.shared[req.rid] = index
+        if self.share and req.rid in self.indexes:
+            self.shared[req.rid] = self._synced(req)
             self.shared.move_to_end(req.rid)
             while len(self.shared) > SHARED_CONTEXTS:
                 self.shared.popitem(last=False)
+        self.indexes.pop(req.rid, None)
 
     def idle(self) -> bool:
         return not self.indexes

@@ -29,12 +29,18 @@ RATE_WEIGHT = 0.5  # weight of the newest verify step in a request's recent acce
 
 @dataclass
 class DraftRow:
-    """A verify row as the sampler sees it: the request with its first drafts appended."""
+    """A verify row as the sampler sees it: the request with its first drafts appended. The output
+    list is built only when asked for (penalties, a seed's step): most batches never need it."""
 
     sampling_params: SamplingParams
     origin_input_ids: list[int]
-    output_ids: list[int]
+    base_output: list[int]
+    drafts: list[int]
     grammar: Any = None  # requests with a grammar never draft: their rows are the requests themselves
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.base_output + self.drafts
 
 
 def verify_rows(reqs: Sequence[Req], drafts: Sequence[list[int]]) -> list[Any]:
@@ -44,7 +50,7 @@ def verify_rows(reqs: Sequence[Req], drafts: Sequence[list[int]]) -> list[Any]:
     for req, draft in zip(reqs, drafts):
         rows.append(req)
         rows += [
-            DraftRow(req.sampling_params, req.origin_input_ids, req.output_ids + draft[:j])
+            DraftRow(req.sampling_params, req.origin_input_ids, req.output_ids, draft[:j])
             for j in range(1, len(draft) + 1)
         ]
     return rows
@@ -94,18 +100,19 @@ class SpecState:
         self._update(accepted / drafted, step, min_rate)
 
     def miss(self, step: int, min_rate: float) -> None:
-        """The drafter had nothing to propose: as bad as drafts all rejected (the step still loses
-        the overlap of a plain decode step), but not counted as drafts."""
-        self._update(0.0, step, min_rate)
+        """The drafter had nothing to propose. Half the weight of a rejected verify step: it wastes
+        no forward, only the overlap of a plain decode step; and a copying request often has a few
+        such steps before its copy starts."""
+        self._update(0.0, step, min_rate, RATE_WEIGHT / 2)
 
-    def _update(self, rate: float, step: int, min_rate: float) -> None:
-        self.recent_rate = RATE_WEIGHT * rate + (1 - RATE_WEIGHT) * self.recent_rate
+    def _update(self, rate: float, step: int, min_rate: float, weight: float = RATE_WEIGHT) -> None:
+        self.recent_rate = weight * rate + (1 - weight) * self.recent_rate
         if rate > 0:
             self.pause = PAUSE_STEPS
         if self.recent_rate < min_rate:
             self.paused_until = step + 1 + self.pause
             self.pause = min(2 * self.pause, MAX_PAUSE_STEPS)
-            self.recent_rate = min_rate  # a fair new start after the pause
+            self.recent_rate = 1.0  # a fresh start after the pause
 
     def meta_info(self) -> dict[str, int]:
         return {

@@ -70,6 +70,7 @@ def embedded_prompts(embedded_dir):
     return [engine.tokenizer(COPY)["input_ids"], engine.tokenizer(engine.apply_chat_template(CHAT))["input_ids"]]
 
 
+@pytest.mark.slow  # the embedded model
 @pytest.mark.parametrize(
     "algorithm, page_size, radix",
     [("ngram", 1, True), ("ngram", 16, False), ("draft", 16, True)],

@@ -32,6 +32,7 @@ def both(engines, params):
     return a, b
 
 
+@pytest.mark.slow  # the embedded model
 def test_the_copy_workload_is_accepted_in_runs(engines):
     _, out = both(engines, {"temperature": 0, "max_new_tokens": 24})
     meta = out["meta_info"]
@@ -39,6 +40,7 @@ def test_the_copy_workload_is_accepted_in_runs(engines):
     assert meta["spec_verify_ct"] < 24 - meta["spec_accepted_tokens"] + 2  # fewer steps than tokens
 
 
+@pytest.mark.slow  # the embedded model
 @pytest.mark.parametrize(
     "params",
     [
@@ -54,6 +56,7 @@ def test_stop_conditions_inside_an_accepted_run_end_the_request_there(engines, p
     assert b["meta_info"]["finish_reason"] == a["meta_info"]["finish_reason"]
 
 
+@pytest.mark.slow  # the embedded model
 def test_a_stop_token_id_inside_an_accepted_run_ends_the_request_there(engines):
     a, _ = both(engines, {"temperature": 0, "max_new_tokens": 20})
     stop_id = a["output_ids"][9]
@@ -62,6 +65,7 @@ def test_a_stop_token_id_inside_an_accepted_run_ends_the_request_there(engines):
     assert b["meta_info"]["finish_reason"] == a["meta_info"]["finish_reason"]
 
 
+@pytest.mark.slow  # the embedded model
 def test_logprobs_are_those_of_the_tokens_kept(engines):
     params = {"temperature": 0, "max_new_tokens": 20, "return_logprob": True, "top_logprobs_num": 3}
     a, b = both(engines, params)
@@ -74,6 +78,7 @@ def test_logprobs_are_those_of_the_tokens_kept(engines):
     ]
 
 
+@pytest.mark.slow  # the embedded model
 @pytest.mark.parametrize(
     "params",
     [

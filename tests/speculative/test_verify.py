@@ -33,11 +33,24 @@ def test_a_request_whose_drafts_fail_pauses_for_longer_each_time_and_resumes():
     assert spec.recent_rate == 0.5 and spec.drafting(11)  # one bad step is not enough
     spec.record(4, 0, step=11, min_rate=0.3)
     assert not spec.drafting(11 + PAUSE_STEPS) and spec.drafting(12 + PAUSE_STEPS)
+    assert spec.recent_rate == 1.0  # a fresh start after the pause: again two failures to pause
     spec.record(4, 0, step=30, min_rate=0.3)
-    assert spec.paused_until == 31 + 2 * PAUSE_STEPS
+    assert spec.drafting(31)
+    spec.record(4, 0, step=31, min_rate=0.3)
+    assert spec.paused_until == 32 + 2 * PAUSE_STEPS  # no success in between: twice as long
     spec.record(4, 4, step=60, min_rate=0.3)  # a success resets the pause length
     assert spec.pause == PAUSE_STEPS and spec.drafting(61)
-    assert spec.meta_info() == {"spec_verify_ct": 4, "spec_draft_tokens": 16, "spec_accepted_tokens": 4}
+    assert spec.meta_info() == {"spec_verify_ct": 5, "spec_draft_tokens": 20, "spec_accepted_tokens": 4}
+
+
+def test_steps_with_nothing_to_draft_count_half_and_are_not_drafts():
+    spec = SpecState()
+    for step in range(4):
+        spec.miss(step, min_rate=0.3)
+        assert spec.drafting(step + 1)
+    spec.miss(4, min_rate=0.3)  # 0.75 ** 5 < 0.3
+    assert not spec.drafting(5)
+    assert spec.meta_info() == {"spec_verify_ct": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
 
 
 def test_min_rate_zero_never_pauses():

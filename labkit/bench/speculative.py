@@ -1,0 +1,243 @@
+"""Speculative decoding's speed-up: the same greedy requests without speculation and with each
+drafter, on a copy-heavy workload and on plain chat.
+
+    python -m labkit.bench.speculative [--algorithms ngram draft] [--batch-sizes 1 16] [--num-draft-tokens 4]
+                                       [--output-len 128] [--repeats 3] [--min-requests 4] [--device auto]
+                                       [--draft-model-path PATH] [--json out.json]
+                                       [--model-path smollm2-135m --load-format dummy --tokenizer-path DIR]
+
+Workloads (data/workloads/speculative.json, chat prompts of the embedded model): `copy` asks the model
+to repeat or correct a short text given in the prompt, the case n-gram drafting serves; `chat` asks
+short questions with nothing to copy. Batch size b: at least --min-requests requests (a multiple of b),
+submitted b at a time through `Engine.generate(list)`, groups one after another. Greedy, EOS allowed:
+output tokens/s counts the tokens each request actually produced, and every speculative output is
+checked against the plain one of the same round (greedy: they should be equal; `mismatch` counts the
+requests that differed in any round). Every engine is warmed up once; rounds alternate the engines, so
+a shared machine's slow spells hit them alike; the cache is flushed before each run. Acceptance length
+= (accepted drafts + verify steps) / verify steps, the tokens one verify forward yields; acceptance
+rate = accepted / drafted. The `draft` drafter defaults to the embedded model drafting for itself (no
+smaller model shares SmolLM2's tokenizer offline): an upper bound on acceptance at about twice the
+compute per token. Overlap scheduling and CUDA graphs stay the engine's defaults: on CUDA the plain
+engine overlaps every step, the speculative one every step that does not draft (a drafting step waits
+for the tokens in flight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from labkit import Engine
+from labkit.tokenizer.prompt import encode_prompt
+
+WORKLOAD_FILE = Path(__file__).resolve().parents[2] / "data" / "workloads" / "speculative.json"
+PLAIN = "plain"
+DRAFT_NOTE = (
+    "draft: the embedded model drafts for itself (no smaller model shares its tokenizer offline), an upper "
+    "bound on acceptance at about twice the compute per token"
+)
+
+Message = dict[str, str]
+
+
+@dataclass
+class Row:
+    workload: str
+    batch_size: int
+    algorithm: str  # "plain" or a drafter
+    requests: int
+    output_tokens: int  # of the last round
+    tok_s: float  # output tokens / s, median of the rounds
+    tok_s_min: float
+    tok_s_max: float
+    speedup: float  # median tok/s over plain's
+    accept_len: float  # (accepted + verify steps) / verify steps; 1.0 for plain
+    accept_rate: float  # accepted / drafted
+    verify_steps: float  # per request
+    mismatches: int  # requests whose output differed from plain's in some round
+
+
+def chat_workloads(path: Path = WORKLOAD_FILE) -> dict[str, list[list[Message]]]:
+    """Workload name -> its chat prompts: `copy` (an instruction and a text, instructions in turn)
+    and `chat` (questions)."""
+    data = json.loads(path.read_text())
+    instructions = data["copy_instructions"]
+    copy = [
+        [{"role": "user", "content": f"{instructions[i % len(instructions)]}\n\n{text}"}]
+        for i, text in enumerate(data["copy_texts"])
+    ]
+    chat = [[{"role": "user", "content": q}] for q in data["chat_questions"]]
+    return {"copy": copy, "chat": chat}
+
+
+def tokenize_workloads(engine: Engine, workloads: dict[str, list[list[Message]]]) -> dict[str, list[list[int]]]:
+    """The prompts as the engine would tokenize them (chat template, no extra special tokens)."""
+    return {name: [encode_prompt(engine.tokenizer, messages=m)[1] for m in chats] for name, chats in workloads.items()}
+
+
+def make_engines(
+    algorithms: list[str], num_draft_tokens: int, draft_model_path: str | None = None, **engine_kw: Any
+) -> dict[str, Engine]:
+    """The plain engine and one per algorithm that can be built; one that cannot (a draft model that is
+    missing or has another vocabulary) is skipped with a line saying why."""
+    engines = {PLAIN: Engine(**engine_kw)}
+    for algorithm in algorithms:
+        spec_kw: dict[str, Any] = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": num_draft_tokens}
+        if algorithm == "draft" and draft_model_path is not None:
+            spec_kw["speculative_draft_model_path"] = draft_model_path
+            spec_kw["speculative_draft_load_format"] = engine_kw.get("load_format", "auto")
+        try:
+            engines[algorithm] = Engine(**engine_kw, **spec_kw)
+        except (ValueError, OSError, RuntimeError) as e:
+            print(f"skipping {algorithm}: {e}")
+    return engines
+
+
+def _requests(prompts: list[list[int]], batch_size: int, min_requests: int) -> list[list[list[int]]]:
+    """Groups of `batch_size` prompts (taken in turn), at least `min_requests` prompts in all."""
+    groups = -(-max(batch_size, min_requests) // batch_size)
+    return [[prompts[(g * batch_size + i) % len(prompts)] for i in range(batch_size)] for g in range(groups)]
+
+
+def _run(engine: Engine, groups: list[list[list[int]]], params: dict[str, Any]) -> tuple[float, list[dict]]:
+    """Seconds for the groups one after another, and every request's result."""
+    engine.flush_cache()
+    outs: list[dict] = []
+    start = time.perf_counter()
+    for group in groups:
+        result = engine.generate(input_ids=group, sampling_params=params)
+        assert isinstance(result, list)
+        outs += result
+    return time.perf_counter() - start, outs
+
+
+def bench(
+    engines: dict[str, Engine],
+    workloads: dict[str, list[list[int]]],
+    batch_sizes: list[int],
+    output_len: int,
+    repeats: int,
+    min_requests: int = 4,
+    ignore_eos: bool = False,
+) -> list[Row]:
+    """One Row per workload x batch size x engine ("plain" must be among the engines): `repeats`
+    rounds, each running every engine on the same requests in turn."""
+    params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": ignore_eos}
+    for engine in engines.values():  # warm-up
+        engine.generate(input_ids=next(iter(workloads.values()))[:2], sampling_params={**params, "max_new_tokens": 8})
+    rows = []
+    for workload, prompts in workloads.items():
+        for bs in batch_sizes:
+            groups = _requests(prompts, bs, min_requests)
+            rates: dict[str, list[float]] = {name: [] for name in engines}
+            last: dict[str, list[dict]] = {}
+            differed: dict[str, set[int]] = {name: set() for name in engines}
+            for _ in range(repeats):
+                for name, engine in engines.items():
+                    seconds, outs = _run(engine, groups, params)
+                    rates[name].append(sum(o["meta_info"]["completion_tokens"] for o in outs) / seconds)
+                    last[name] = outs
+                    plain_ids = [o["output_ids"] for o in last[PLAIN]]
+                    differed[name] |= {i for i, o in enumerate(outs) if o["output_ids"] != plain_ids[i]}
+            plain_rate = statistics.median(rates[PLAIN])
+            done = ", ".join(f"{name} {statistics.median(r):.1f}" for name, r in rates.items())
+            print(f"{workload}, batch {bs}: {done} out tok/s", flush=True)
+            for name in engines:
+                rows.append(_row(workload, bs, name, last[name], rates[name], plain_rate, len(differed[name])))
+    return rows
+
+
+def _row(
+    workload: str, bs: int, name: str, outs: list[dict], rates: list[float], plain_rate: float, mismatches: int
+) -> Row:
+    metas = [o["meta_info"] for o in outs]
+    verify, drafted, accepted = (
+        sum(m[key] for m in metas) for key in ("spec_verify_ct", "spec_draft_tokens", "spec_accepted_tokens")
+    )
+    rate = statistics.median(rates)
+    return Row(
+        workload=workload,
+        batch_size=bs,
+        algorithm=name,
+        requests=len(outs),
+        output_tokens=sum(m["completion_tokens"] for m in metas),
+        tok_s=rate,
+        tok_s_min=min(rates),
+        tok_s_max=max(rates),
+        speedup=rate / plain_rate,
+        accept_len=(accepted + verify) / verify if verify else 1.0,
+        accept_rate=accepted / drafted if drafted else 0.0,
+        verify_steps=verify / len(outs),
+        mismatches=mismatches,
+    )
+
+
+def markdown_table(rows: list[Row]) -> str:
+    lines = [
+        "| workload | batch | algorithm | requests | out tokens | out tok/s (min-max) | speed-up | accept len "
+        "| accept rate | verify steps/req | mismatch |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        spec = r.algorithm != PLAIN
+        accept = f"{r.accept_len:.2f} | {r.accept_rate:.0%} | {r.verify_steps:.1f}" if spec else "- | - | -"
+        lines.append(
+            f"| {r.workload} | {r.batch_size} | {r.algorithm} | {r.requests} | {r.output_tokens} "
+            f"| {r.tok_s:.1f} ({r.tok_s_min:.1f}-{r.tok_s_max:.1f}) | {r.speedup:.2f}x | {accept} "
+            f"| {r.mismatches if spec else '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--algorithms", nargs="+", default=["ngram", "draft"])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--output-len", type=int, default=128, help="max_new_tokens (EOS allowed)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds; the median counts")
+    ap.add_argument("--min-requests", type=int, default=4, help="fewest requests per run (batch 1: one by one)")
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ap.add_argument(
+        "--draft-model-path",
+        default=None,
+        help="the draft model of `draft`, loaded with --load-format (default: the embedded model)",
+    )
+    ap.add_argument("--model-path", default=None, help="default: the embedded model")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--tokenizer-path", default=None, help="the tokenizer a random-weight model borrows")
+    ap.add_argument("--json", help="also write the rows to this JSON file")
+    args = ap.parse_args(argv)
+
+    start = time.perf_counter()
+    engine_kw = {"device": args.device, "model_path": args.model_path, "load_format": args.load_format}
+    engine_kw["tokenizer_path"] = args.tokenizer_path
+    engines = make_engines(args.algorithms, args.num_draft_tokens, args.draft_model_path, **engine_kw)
+    workloads = tokenize_workloads(engines[PLAIN], chat_workloads())
+    rows = bench(engines, workloads, args.batch_sizes, args.output_len, args.repeats, args.min_requests)
+
+    runner = engines[PLAIN].model_runner
+    where = f"{runner.device}" + (f", {torch.get_num_threads()} threads" if runner.device.type == "cpu" else "")
+    print(
+        f"\n{args.model_path or 'embedded model'}, {where}; greedy, up to {args.output_len} tokens, EOS allowed, "
+        f"{args.num_draft_tokens} draft tokens; median of {args.repeats} rounds\n"
+    )
+    print(markdown_table(rows))
+    if "draft" in engines and args.draft_model_path is None:
+        print(f"\n{DRAFT_NOTE}")
+    print(f"\ntotal {time.perf_counter() - start:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
