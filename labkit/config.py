@@ -134,6 +134,14 @@ class EngineConfig:
             "while (0: never stop)"
         },
     )
+    speculative_min_batch_gain: float = field(
+        default=0.25,
+        metadata={
+            "help": "a decode step drafts only if its drafting requests are expected (recent acceptance rate x "
+            "drafts) to gain at least this many tokens per request of the batch: a verify step gives up the "
+            "overlap of the whole batch (0: whenever a request drafts)"
+        },
+    )
     # Parallelism
     tp_size: int = field(
         default=1, metadata={"help": "tensor parallelism: ranks sharing each layer (gloo on CPU, NCCL on CUDA)"}

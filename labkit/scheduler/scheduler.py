@@ -378,7 +378,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
 
     def update_running_batch(self, out: StepOutput) -> ScheduleBatch | None:
         """Decode every running request; retract some first if their next tokens do not fit."""
-        if self.drafter is not None and self.in_flight is not None and any(self.draft_budgets(self.running)):
+        if (
+            self.drafter is not None
+            and self.in_flight is not None
+            and self.worth_drafting(self.running, self.draft_budgets(self.running))
+        ):
             self._take_in_flight(out, None)  # drafts follow the tokens still on their way
         if decode_slots_needed(self.running, self.page_size) > self._reclaimable():
             out.retracted = self.retract_decode()

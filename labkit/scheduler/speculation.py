@@ -64,12 +64,22 @@ class SchedulerSpecMixin:
             budgets.append(max(0, min(k, room - 1)) if drafting else 0)
         return budgets
 
+    def worth_drafting(self, reqs: list[Req], budgets: list[int]) -> bool:
+        """Whether drafting pays for this batch: the tokens its requests are expected to gain (each
+        one's recent acceptance rate times its drafts) reach speculative_min_batch_gain per request.
+        One drafting request makes the whole batch a verify step, which cannot overlap."""
+        if not any(budgets):
+            return False
+        expected = sum(r.spec.recent_rate * b for r, b in zip(reqs, budgets))
+        return expected >= self.config.speculative_min_batch_gain * len(reqs)
+
     def prepare_verify(self, batch: ScheduleBatch) -> bool:
         """Make a DECODE batch a TARGET_VERIFY one: its requests' drafts, their KV slots and the
-        sampler's rows. False (the batch untouched) when no request drafts or the slots are short."""
+        sampler's rows. False (the batch untouched) when drafting does not pay (worth_drafting), no
+        request drafts, or the slots are short."""
         assert self.drafter is not None
         budgets = self.draft_budgets(batch.reqs)
-        if not any(budgets):
+        if not self.worth_drafting(batch.reqs, budgets):
             return False
         drafts = [d[:b] for d, b in zip(self.drafter.propose(batch.reqs, budgets), budgets)]
         vocab = self.model_runner.vocab_size

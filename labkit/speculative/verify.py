@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 PAUSE_STEPS = 8  # a request whose drafts keep failing drafts nothing for this many steps, doubling
 MAX_PAUSE_STEPS = 256
 RATE_WEIGHT = 0.5  # weight of the newest verify step in a request's recent acceptance rate
+# The recent rate a request resumes with after a pause: a second chance, not full trust (alone it
+# does not make a large batch draft: Scheduler.worth_drafting).
+RESUME_RATE = 0.5
 
 
 @dataclass
@@ -112,7 +115,7 @@ class SpecState:
         if self.recent_rate < min_rate:
             self.paused_until = step + 1 + self.pause
             self.pause = min(2 * self.pause, MAX_PAUSE_STEPS)
-            self.recent_rate = 1.0  # a fresh start after the pause
+            self.recent_rate = RESUME_RATE
 
     def meta_info(self) -> dict[str, int]:
         return {

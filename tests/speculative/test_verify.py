@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from labkit.sampling.sampling_params import SamplingParams
-from labkit.speculative.verify import PAUSE_STEPS, SpecState, accept, verify_rows
+from labkit.speculative.verify import PAUSE_STEPS, RESUME_RATE, SpecState, accept, verify_rows
 
 
 def test_accept_keeps_drafts_up_to_the_first_mismatch_then_the_targets_token():
@@ -33,14 +33,14 @@ def test_a_request_whose_drafts_fail_pauses_for_longer_each_time_and_resumes():
     assert spec.recent_rate == 0.5 and spec.drafting(11)  # one bad step is not enough
     spec.record(4, 0, step=11, min_rate=0.3)
     assert not spec.drafting(11 + PAUSE_STEPS) and spec.drafting(12 + PAUSE_STEPS)
-    assert spec.recent_rate == 1.0  # a fresh start after the pause: again two failures to pause
-    spec.record(4, 0, step=30, min_rate=0.3)
+    assert spec.recent_rate == RESUME_RATE  # a second chance after the pause
+    spec.miss(30, min_rate=0.3)  # 0.375
     assert spec.drafting(31)
     spec.record(4, 0, step=31, min_rate=0.3)
     assert spec.paused_until == 32 + 2 * PAUSE_STEPS  # no success in between: twice as long
     spec.record(4, 4, step=60, min_rate=0.3)  # a success resets the pause length
     assert spec.pause == PAUSE_STEPS and spec.drafting(61)
-    assert spec.meta_info() == {"spec_verify_ct": 5, "spec_draft_tokens": 20, "spec_accepted_tokens": 4}
+    assert spec.meta_info() == {"spec_verify_ct": 4, "spec_draft_tokens": 16, "spec_accepted_tokens": 4}
 
 
 def test_steps_with_nothing_to_draft_count_half_and_are_not_drafts():
@@ -58,3 +58,21 @@ def test_min_rate_zero_never_pauses():
     for step in range(5):
         spec.record(3, 0, step, min_rate=0.0)
     assert spec.drafting(5)
+
+
+def test_a_batch_drafts_only_when_its_expected_gain_pays_for_the_lost_overlap():
+    from types import SimpleNamespace
+
+    from labkit import Engine
+
+    engine = Engine(model_path="tiny-llama", load_format="dummy", speculative_algorithm="ngram")
+    sched = engine.scheduler
+
+    def reqs(*rates):
+        return [SimpleNamespace(spec=SpecState(recent_rate=r)) for r in rates]
+
+    batch = reqs(1.0, *[0.0] * 7)  # one eager request in a batch of 8: expected 4 >= 0.25 x 8
+    assert sched.worth_drafting(batch, [4, 0, 0, 0, 0, 0, 0, 0])
+    assert not sched.worth_drafting(reqs(0.3, *[0.0] * 7), [4, 0, 0, 0, 0, 0, 0, 0])  # 1.2 < 2
+    assert sched.worth_drafting(reqs(0.3), [4])  # alone, 1.2 >= 0.25
+    assert not sched.worth_drafting(reqs(1.0, 1.0), [0, 0])  # nothing to draft
