@@ -5,17 +5,19 @@ step N+1 need step N's tokens on the host), and each request keeps its accepted 
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 import torch
 
 from labkit.model_executor.forward_batch import ForwardMode
 from labkit.scheduler.batch_memory import alloc_for_verify, rejected_slots
-from labkit.speculative.base import Drafter, get_drafter
+from labkit.speculative.base import Drafter, LeaderDrafts, get_drafter
 from labkit.speculative.verify import accept, verify_rows
 
 if TYPE_CHECKING:
     from labkit.config import EngineConfig
+    from labkit.distributed.parallel_state import TPGroup
     from labkit.mem_cache.allocator import TokenToKVPoolAllocator
     from labkit.mem_cache.memory_pool import ReqToTokenPool
     from labkit.model_executor.future_map import HostSample
@@ -37,6 +39,8 @@ class SchedulerSpecMixin:
     max_req_len: int
     drafter: Drafter | None
 
+    tp: TPGroup
+
     if TYPE_CHECKING:  # the Scheduler's
 
         def run_batch(self, batch: ScheduleBatch, out: StepOutput) -> HostSample: ...
@@ -50,7 +54,21 @@ class SchedulerSpecMixin:
         k = self.config.speculative_num_draft_tokens
         if k < 1:
             raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {k}")
-        return get_drafter(name)(self.config, self.model_runner)
+        drafter = get_drafter(name)  # an unknown name fails on every rank
+        return (drafter if self.tp.is_leader else LeaderDrafts)(self.config, self.model_runner)
+
+    def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
+        """The drafter's drafts (cut to the budgets). With tensor parallelism the leader drafts and
+        broadcasts them: every rank must feed the verify forward the same tokens, and a draft model's
+        argmax can differ between processes where its logits nearly tie."""
+        assert self.drafter is not None
+        drafts = None
+        if self.tp.is_leader:
+            drafts = [d[:b] for d, b in zip(self.drafter.propose(reqs, budgets), budgets)]
+        if self.tp.size > 1:
+            drafts = json.loads(self.tp.broadcast_bytes(json.dumps(drafts).encode() if drafts is not None else None))
+        assert drafts is not None
+        return drafts
 
     def draft_budgets(self, reqs: list[Req]) -> list[int]:
         """Drafts each request may take now: none while paused or under a grammar (its matcher
@@ -81,7 +99,7 @@ class SchedulerSpecMixin:
         budgets = self.draft_budgets(batch.reqs)
         if not self.worth_drafting(batch.reqs, budgets):
             return False
-        drafts = [d[:b] for d, b in zip(self.drafter.propose(batch.reqs, budgets), budgets)]
+        drafts = self.propose(batch.reqs, budgets)
         vocab = self.model_runner.vocab_size
         if any(not 0 <= t < vocab for d in drafts for t in d):  # would fail deep in the embedding
             name = self.config.speculative_algorithm

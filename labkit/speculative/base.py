@@ -54,6 +54,17 @@ class Drafter(ABC):
         return True
 
 
+class LeaderDrafts(Drafter):
+    """A tensor-parallel follower rank's drafter: the leader's drafts reach it by broadcast
+    (Scheduler.propose), so it runs no drafter and keeps nothing."""
+
+    def propose(self, reqs: Sequence[DraftReq], budgets: Sequence[int]) -> list[list[int]]:
+        raise RuntimeError("a follower rank takes the leader's drafts; it does not draft")
+
+    def release(self, req: DraftReq) -> None:
+        pass
+
+
 DRAFTERS: dict[str, type[Drafter]] = {}
 # Drafters load on first use, so importing labkit loads no second model.
 LAZY_DRAFTERS = {"ngram": "labkit.speculative.ngram", "draft": "labkit.speculative.draft_model"}

@@ -1,6 +1,6 @@
-"""Speculation with tensor parallelism (CPU, gloo): every rank drafts the same tokens from the same
-ids (the draft model runs whole on each rank), so TP=2 gives the tokens of TP=1 without speculation,
-and the ranks sample alike in every step."""
+"""Speculation with tensor parallelism (CPU, gloo): the leader drafts (the draft model runs whole on
+it) and broadcasts its drafts, so every rank verifies the same rows; TP=2 gives the tokens of TP=1
+without speculation, and the ranks keep the same tokens in every step."""
 
 from __future__ import annotations
 
