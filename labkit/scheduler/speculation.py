@@ -138,7 +138,8 @@ class SchedulerSpecMixin:
             rejected.append(rejected_slots(req, end, self.req_to_token_pool, self.page_size))
             out.rollback_slots += -(-len(rejected[-1]) // self.page_size) * self.page_size
             row += 1 + len(draft)
-            out.new_token_ids[req.rid] = kept
+            # After the token taken from the step in flight, if it was this request's (overlap).
+            out.new_token_ids.setdefault(req.rid, []).extend(kept)
             if draft:
                 accepted = min(len(kept), len(gained) - 1)  # drafts kept (a stop may cut the run)
                 req.spec.record(len(draft), accepted, self.step_id, self.config.speculative_min_accept_rate)

@@ -89,3 +89,25 @@ def test_the_embedded_model_gives_the_same_greedy_tokens_with_speculation(
     if algorithm == "draft":
         assert accepted == drafted
     assert_idle(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_every_kept_token_is_reported_once_in_the_step_that_kept_it(overlap):
+    """The tokens the steps report (what the detokenizer and a stream see) add up to each request's
+    output: with overlap, a drafting step first takes the token still in flight, then its own."""
+    engine = Engine(
+        model_path="tiny-qwen3",
+        load_format="dummy",
+        max_total_tokens=4096,
+        overlap_schedule_on_cpu=overlap,
+        speculative_algorithm=NOISY,
+        speculative_num_draft_tokens=3,
+    )
+    prompts = [[3 + i, 40 + i, 90, 7 * i % 256] * (4 + i) for i in range(4)]
+    rids = [engine.add_request(input_ids=p, sampling_params=GREEDY) for p in prompts]
+    reported: dict[str, list[int]] = {rid: [] for rid in rids}
+    while engine.scheduler.has_work():
+        for rid, tokens in engine.step().new_tokens.items():
+            reported[rid] += tokens
+    assert all(reported[rid] == engine.results[rid]["output_ids"] for rid in rids)
+    assert sum(engine.results[rid]["meta_info"]["spec_accepted_tokens"] for rid in rids) > 0
