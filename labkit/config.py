@@ -135,11 +135,12 @@ class EngineConfig:
         },
     )
     speculative_min_batch_gain: float = field(
-        default=0.25,
+        default=1.0,
         metadata={
             "help": "a decode step drafts only if its drafting requests are expected (recent acceptance rate x "
-            "drafts) to gain at least this many tokens per request of the batch: a verify step gives up the "
-            "overlap of the whole batch (0: whenever a request drafts)"
+            "drafts) to gain at least this many tokens per request of the batch; a verify step gives up the "
+            "whole batch's overlap and cost about 2 overlapped decode steps on an H100 (docs/benchmarks.md), so "
+            "it pays from about 1 (0: whenever a request drafts)"
         },
     )
     # Parallelism

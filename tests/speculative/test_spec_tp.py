@@ -11,7 +11,7 @@ from labkit import Engine
 
 @pytest.mark.parametrize("algorithm", ["ngram", "draft"])
 def test_tp2_with_speculation_gives_the_tokens_of_tp1_without(algorithm):
-    common = {"model_path": "tiny-qwen3", "load_format": "dummy", "max_total_tokens": 2048}
+    common = {"model_path": "tiny-qwen3", "load_format": "dummy", "max_total_tokens": 2048, "device": "cpu"}
     prompts = [[3 + i, 40 + i, 90, 7 * i % 256] * (4 + i) for i in range(4)]
     params = [
         {"max_new_tokens": 24, "ignore_eos": True, "temperature": 0},

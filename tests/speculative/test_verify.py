@@ -65,7 +65,9 @@ def test_a_batch_drafts_only_when_its_expected_gain_pays_for_the_lost_overlap():
 
     from labkit import Engine
 
-    engine = Engine(model_path="tiny-llama", load_format="dummy", speculative_algorithm="ngram")
+    engine = Engine(
+        model_path="tiny-llama", load_format="dummy", speculative_algorithm="ngram", speculative_min_batch_gain=0.25
+    )
     sched = engine.scheduler
 
     def reqs(*rates):
