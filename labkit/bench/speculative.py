@@ -3,6 +3,7 @@ drafter, on a copy-heavy workload and on plain chat.
 
     python -m labkit.bench.speculative [--algorithms ngram draft] [--batch-sizes 1 16] [--num-draft-tokens 4]
                                        [--output-len 128] [--repeats 3] [--min-requests 4] [--device auto]
+                                       [--dtype auto]
                                        [--draft-model-path PATH] [--json out.json]
                                        [--model-path smollm2-135m --load-format dummy --tokenizer-path DIR]
 
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--repeats", type=int, default=3, help="rounds; the median counts")
     ap.add_argument("--min-requests", type=int, default=4, help="fewest requests per run (batch 1: one by one)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ap.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) or float32")
     ap.add_argument(
         "--draft-model-path",
         default=None,
@@ -217,14 +219,17 @@ def main(argv: list[str] | None = None) -> list[Row]:
     args = ap.parse_args(argv)
 
     start = time.perf_counter()
-    engine_kw = {"device": args.device, "model_path": args.model_path, "load_format": args.load_format}
+    engine_kw = {"device": args.device, "dtype": args.dtype, "model_path": args.model_path}
+    engine_kw["load_format"] = args.load_format
     engine_kw["tokenizer_path"] = args.tokenizer_path
     engines = make_engines(args.algorithms, args.num_draft_tokens, args.draft_model_path, **engine_kw)
     workloads = tokenize_workloads(engines[PLAIN], chat_workloads())
     rows = bench(engines, workloads, args.batch_sizes, args.output_len, args.repeats, args.min_requests)
 
     runner = engines[PLAIN].model_runner
-    where = f"{runner.device}" + (f", {torch.get_num_threads()} threads" if runner.device.type == "cpu" else "")
+    where = f"{runner.device}, {runner.dtype}"
+    if runner.device.type == "cpu":
+        where += f", {torch.get_num_threads()} threads"
     print(
         f"\n{args.model_path or 'embedded model'}, {where}; greedy, up to {args.output_len} tokens, EOS allowed, "
         f"{args.num_draft_tokens} draft tokens; median of {args.repeats} rounds\n"

@@ -69,6 +69,7 @@ def test_rejected_drafts_slots_are_free_again_after_their_step():
     engine = Engine(
         model_path="tiny-llama",
         load_format="dummy",
+        device="cpu",  # no overlap: step 2 is the verify step
         enable_trace=True,
         max_total_tokens=4096,
         speculative_algorithm="test-wrong",
