@@ -9,6 +9,7 @@ import random
 import pytest
 
 from labkit import Engine
+from tests.random_workload import run_random_workload
 
 
 def make_engine(**kw) -> Engine:
@@ -38,22 +39,7 @@ def test_random_workload_accounts_for_every_slot(seed, page_size, radix, mixed, 
         max_running_requests=6,
         schedule_conservativeness=0.3,
     )
-    prefixes = [[rng.randrange(3, 256) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
-    live: list[str] = []
-    for step in range(150):
-        if rng.random() < 0.3:
-            prompt = rng.choice(prefixes) + [rng.randrange(3, 256) for _ in range(rng.randrange(1, 30))]
-            params = {"max_new_tokens": rng.randrange(1, 40), "ignore_eos": True, "temperature": rng.choice([0, 1.0])}
-            live.append(engine.add_request(input_ids=prompt, sampling_params=params))
-        if live and rng.random() < 0.05:
-            engine.abort(rng.choice(live))
-        s = engine.step()
-        p = s.pool
-        assert p.free + p.evictable + p.protected + p.request_owned == p.total, (step, p)
-        assert p.free >= 0 and p.request_owned >= 0
-    engine.run_until_done()
-    finished = set(engine.results)
-    assert finished == set(live)
+    live = run_random_workload(engine, rng)
     for rid in live:
         reason = engine.results[rid]["meta_info"]["finish_reason"]["type"]
         assert reason in ("length", "abort")

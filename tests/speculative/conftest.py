@@ -9,6 +9,11 @@ from collections.abc import Sequence
 from labkit.speculative.base import DRAFTERS, Drafter, DraftReq, register_drafter
 
 NOISY = "test-noisy"
+# A prompt whose continuation copies it: n-gram drafts are accepted in runs.
+COPY = (
+    "Copy this text exactly: The quick brown fox jumps over the lazy dog. The five boxing wizards "
+    "jump quickly. Pack my box with five dozen liquor jugs.\nCopy: The quick brown fox"
+)
 
 
 class NoisyDrafter(Drafter):

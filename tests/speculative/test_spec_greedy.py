@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import Engine
-from tests.speculative.conftest import NOISY
+from tests.speculative.conftest import COPY, NOISY
 
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 
@@ -58,10 +58,6 @@ def test_tiny_models_give_the_same_greedy_tokens_with_speculation(model, page_si
 
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-COPY = (
-    "Copy this text exactly: The quick brown fox jumps over the lazy dog. The five boxing wizards "
-    "jump quickly. Pack my box with five dozen liquor jugs.\nCopy: The quick brown fox"
-)
 
 
 @pytest.fixture(scope="module")

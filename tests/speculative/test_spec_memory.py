@@ -9,6 +9,7 @@ import random
 import pytest
 
 from labkit import Engine
+from tests.random_workload import run_random_workload
 from tests.speculative.conftest import NOISY
 
 
@@ -41,20 +42,7 @@ def test_random_workload_with_speculation_accounts_for_every_slot(seed, algorith
         speculative_draft_model_path="tiny-qwen3",
         speculative_draft_load_format="dummy",
     )
-    prefixes = [[rng.randrange(3, 256) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
-    live: list[str] = []
-    for step in range(150):
-        if rng.random() < 0.3:
-            prompt = rng.choice(prefixes) + [rng.randrange(3, 256) for _ in range(rng.randrange(1, 30))]
-            params = {"max_new_tokens": rng.randrange(1, 40), "ignore_eos": True, "temperature": rng.choice([0, 1.0])}
-            live.append(engine.add_request(input_ids=prompt, sampling_params=params))
-        if live and rng.random() < 0.05:
-            engine.abort(rng.choice(live))
-        s = engine.step()
-        p = s.pool
-        assert p.free + p.evictable + p.protected + p.request_owned == p.total, (step, p)
-    engine.run_until_done()
-    assert set(engine.results) == set(live)
+    run_random_workload(engine, rng)
     records = engine.tracer.steps
     assert any(r.forward_mode == "TARGET_VERIFY" for r in records)
     if algorithm == NOISY:

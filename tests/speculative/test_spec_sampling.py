@@ -11,11 +11,7 @@ import torch
 
 from labkit import Engine
 from labkit.sampling.sampler import Sampler
-
-COPY = (
-    "Copy this text exactly: The quick brown fox jumps over the lazy dog. The five boxing wizards "
-    "jump quickly. Pack my box with five dozen liquor jugs.\nCopy: The quick brown fox"
-)
+from tests.speculative.conftest import COPY
 
 
 @pytest.fixture(scope="module")
