@@ -106,13 +106,16 @@ def draw_timeline(
     show_batch: bool = True,
     highlight_step: int | None = None,
     label_chunks: bool = True,
+    row_order: str = "arrival",
 ):
     """Gantt chart of a recorded run, one row per request, plus (show_batch) the tokens of each step.
-    Returns the Figure (rows' y tick labels are the rids, in arrival order)."""
+    Rows (y tick labels: the rids) are in arrival order, or with row_order="schedule" in the order
+    the scheduler first ran them (a policy's reordering shows as a staircase).
+    Returns the Figure."""
     if x not in ("step", "time"):
         raise ValueError("x must be 'step' or 'time'")
     run = Run.of(source)
-    rids = run.rids
+    rids = _ordered_rids(run, row_order)
     segs = _segments(run, x)
     spans = _step_spans(run)
     if ax is None:
@@ -195,6 +198,18 @@ def draw_timeline(
     return fig
 
 
+def _ordered_rids(run: Run, row_order: str) -> list[str]:
+    if row_order == "arrival":
+        return run.rids
+    if row_order == "schedule":
+        computing = ("prefill", "decode")
+        first = {
+            rid: min((c.step for c in run.cells_of(rid) if c.phase in computing), default=1 << 30) for rid in run.rids
+        }
+        return sorted(run.rids, key=lambda rid: first[rid])  # stable: arrival order among ties
+    raise ValueError(f"row_order must be 'arrival' or 'schedule', got {row_order!r}")
+
+
 def _defer_label(ax, x0: float, x1: float, y: float, text: str, align: str, color: str) -> None:
     """Remember a label for the bar [x0, x1]; place_labels writes it once the x range is final."""
     if not hasattr(ax, "_labkit_labels"):
@@ -263,16 +278,16 @@ def _draw_batch(run: Run, ax, x: str, spans) -> None:
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
 
 
-def draw_timelines(sources: list[Any], titles: list[str] | None = None, x: str = "time"):
+def draw_timelines(sources: list[Any], titles: list[str] | None = None, x: str = "time", row_order: str = "arrival"):
     """Several runs of the same requests one above the other, on one x scale (e.g. static vs
-    continuous batching). Returns the Figure."""
+    continuous batching); row_order as in draw_timeline. Returns the Figure."""
     runs = [Run.of(s) for s in sources]
     titles = titles or [r.label or f"run {i}" for i, r in enumerate(runs)]
     heights = [max(1.8, 0.26 * len(r.rids) + 0.9) for r in runs]
     fig = style.new_figure(11, sum(heights) + 0.3)
     axes = fig.subplots(len(runs), 1, sharex=True, height_ratios=heights, squeeze=False)[:, 0]
     for run, ax, t in zip(runs, axes, titles):
-        draw_timeline(run, x=x, ax=ax, show_batch=False, title=t)
+        draw_timeline(run, x=x, ax=ax, show_batch=False, title=t, row_order=row_order)
         ax.set_xlabel("")
         end = max((e for _, e in _step_spans(run).values()), default=0) if x == "time" else len(run.steps)
         ax.axvline(end, color="#333333", lw=1, ls="--")

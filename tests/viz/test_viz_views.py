@@ -92,6 +92,17 @@ def test_timeline_has_one_row_per_request(tiny_run):
     render(fig)
 
 
+def test_timeline_rows_in_schedule_order_follow_the_first_computing_step(tiny_run):
+    fig = draw_timeline(tiny_run, row_order="schedule")
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    cells = cells_frame(tiny_run)
+    first = cells[cells["phase"].isin(["prefill", "decode"])].groupby("rid")["step"].min()
+    assert sorted(labels) == sorted(tiny_run.rids)
+    assert [first[r] for r in labels] == sorted(first[r] for r in labels)
+    with pytest.raises(ValueError, match="row_order"):
+        draw_timeline(tiny_run, row_order="alphabetical")
+
+
 def test_timeline_cells_follow_the_step_records(tiny_run):
     cells = cells_frame(tiny_run)
     assert set(cells["phase"]) == {"queued", "prefill", "decode", "stalled"}
