@@ -38,6 +38,13 @@ class EngineConfig:
         default=None, metadata={"help": "max prompt + output tokens per request (default: the model's)"}
     )
     random_seed: int = field(default=0, metadata={"help": "seed for dummy weights and the random policy"})
+    cpu_threads: int = field(
+        default=0,
+        metadata={
+            "help": "torch threads per rank on CPU; 0: auto (OMP_NUM_THREADS if set, else the cores less one, "
+            "shared by the machine's ranks)"
+        },
+    )
     # Memory
     page_size: int = field(default=1, metadata={"help": "tokens per KV page"})
     max_total_tokens: int | None = field(

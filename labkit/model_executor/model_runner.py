@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,6 +46,22 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
             f"rank {local_rank} of this node needs GPU {local_rank}, but {torch.cuda.device_count()} are visible"
         )
     return torch.device("cuda", local_rank)
+
+
+def cpu_thread_count(requested: int, ranks: int, cores: int, default: int, env_set: bool) -> int | None:
+    """Torch threads for one CPU rank, or None to leave torch's setting alone.
+
+    Auto (requested 0) leaves a core free and splits the rest among the node's ranks: torch's OpenMP
+    threads spin-wait at each op's end, so with every core busy (a Jupyter kernel's I/O thread, the
+    server's tokenizer and detokenizer processes, other ranks) each op waits for its descheduled
+    thread; on a 2-core machine a notebook ran 8 times slower with 2 threads than with 1."""
+    if requested < 0:
+        raise ValueError(f"cpu_threads must be >= 0, got {requested}")
+    if requested:
+        return requested
+    if env_set:  # OMP_NUM_THREADS: the user's choice, already torch's
+        return None
+    return max(1, min(default, cores - 1) // ranks)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -103,6 +120,14 @@ class ModelRunner:
         self.device = resolve_device(config.device, self.tp.rank % ranks_per_node(config))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        else:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            env_set = "OMP_NUM_THREADS" in os.environ
+            threads = cpu_thread_count(
+                config.cpu_threads, ranks_per_node(config), cores, torch.get_num_threads(), env_set
+            )
+            if threads is not None:
+                torch.set_num_threads(threads)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         backend_cls = get_attention_backend(self.attention_backend)
         self.dtype = resolve_dtype(config.dtype, self.device)
