@@ -80,6 +80,9 @@ class StepOutput:
     drafts: dict[str, list[int]] = field(default_factory=dict)
     accepted: dict[str, int] = field(default_factory=dict)
     rollback_slots: int = 0
+    # Traced runs: when the step ran each of its phases (see StepRecord.phases), and whose tokens it took.
+    phases: dict[str, tuple[float, float]] = field(default_factory=dict)
+    processed_step: int | None = None
 
 
 class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerTPMixin, SchedulerSpecMixin):
@@ -259,6 +262,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         out = StepOutput(step=self.step_id, forward_mode=ForwardMode.IDLE, finished=self.aborted)
         self.aborted = []
         batch = self.get_next_batch_to_run(out)
+        if self.tracer is not None:
+            out.phases["schedule"] = (start, time.perf_counter())
         if batch is None:
             self._take_in_flight(out, None)
         elif batch.forward_mode == ForwardMode.TARGET_VERIFY:
@@ -282,7 +287,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         if self.in_flight is not None:
             batch, launched = self.in_flight
             self.in_flight = None
+            start = time.perf_counter()  # the wait is part of it: on CUDA the host may block there
             self.process_batch_result(batch, launched.wait(), out, next_batch)
+            if self.tracer is not None:
+                out.phases["process"] = (start, time.perf_counter())
+                out.processed_step = batch.step
 
     def has_work(self) -> bool:
         return bool(self.waiting_queue or self.running or self.chunked_req or self.aborted or self.in_flight)
@@ -428,6 +437,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
 
     def run_batch(self, batch: ScheduleBatch, out: StepOutput) -> HostSample:
         """Queue the batch's forward and sampling on the device; the tokens come with `.wait()`."""
+        prepare = time.perf_counter()
         forward_batch = self.model_runner.build_forward_batch(batch)
         start = time.perf_counter()
         logits = self.model_runner.forward(forward_batch)
@@ -442,7 +452,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
             for req, (logprobs, top) in zip(batch.reqs, forward_batch.input_logprobs.per_request()):
                 req.add_input_logprobs(logprobs, top)
         if self.tracer is not None:  # reads the logits now: tracing gives up the overlap
-            self._trace_forward(self.tracer, batch, logits, sample.wait(), start, mid, time.perf_counter())
+            sampled = sample.wait()
+            end = time.perf_counter()
+            out.phases.update(prepare=(prepare, start), forward=(start, mid), sample=(mid, end))
+            self._trace_forward(self.tracer, batch, logits, sampled, start, mid, end)
             if forward_batch.expert_load is not None:
                 out.expert_tokens = forward_batch.expert_load.tolist()
         return sample

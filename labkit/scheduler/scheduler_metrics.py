@@ -147,6 +147,8 @@ class SchedulerMetricsMixin:
                 drafts=out.drafts,
                 accepted=out.accepted,
                 rollback_slots=out.rollback_slots,
+                phases=out.phases,
+                processed_step=out.processed_step,
             )
         )
         # The tree with its locks and the waiting queue with its matches, for replaying (labkit.viz).

@@ -76,6 +76,12 @@ class StepRecord:
     drafts: dict[str, list[int]] = field(default_factory=dict)
     accepted: dict[str, int] = field(default_factory=dict)
     rollback_slots: int = 0
+    # Where the step's time went, phase -> (start, end) perf_counter seconds, for the phases it ran:
+    # schedule (pick the batch, allocate its KV), prepare (build the ForwardBatch), forward, sample,
+    # process (take in a launched batch's tokens: finish checks, placeholders replaced). `process`
+    # took the tokens of step `processed_step`: this step's without overlap, an earlier one's with it.
+    phases: dict[str, tuple[float, float]] = field(default_factory=dict)
+    processed_step: int | None = None
 
 
 @dataclass
