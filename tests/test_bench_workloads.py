@@ -6,7 +6,7 @@ import pytest
 
 from labkit import Engine
 from labkit.bench.datasets import Request, random_workload, shared_prefix_workload
-from labkit.bench.policies import bench_policies, policy_orders, run_policy
+from labkit.bench.policies import bench_policies, policy_orders, policy_summary, queue_table, run_policy
 from labkit.bench.runner import latency_table, run_requests, token_times
 
 
@@ -73,4 +73,46 @@ def test_policy_runs_are_repeatable_and_lpm_groups_prefixes(tiny):
     run_requests(engine, reqs[:1])
     order = policy_orders(engine, [r for r in reqs if r.rid.endswith("-q1")], ["fcfs", "lpm"])
     assert order["lpm"].iloc[0].startswith("g0-q1 (24)")
+    assert not engine.scheduler.has_work() and not engine.results
+
+
+def test_bench_policies_repeats_round_robin_and_the_summary_keeps_counts_beside_timings(tiny):
+    engine = Engine(max_total_tokens=80, max_running_requests=2, **tiny)
+    reqs = shared_prefix_workload(
+        num_groups=3, per_group=2, prefix_len=24, question_len=4, output_len=(2, 4), vocab_size=256
+    )
+    runs = bench_policies(engine, {"shared": reqs, "again": reqs[:3]}, ["lpm", "fcfs"], repeats=3)
+    assert list(zip(runs["workload"], runs["policy"], runs["repeat"]))[:4] == [
+        ("shared", "lpm", 0), ("shared", "lpm", 1), ("shared", "lpm", 2), ("shared", "fcfs", 0),
+    ]  # fmt: skip
+    summary = policy_summary(runs)
+    assert list(zip(summary["workload"], summary["policy"])) == [
+        ("shared", "lpm"), ("shared", "fcfs"), ("again", "lpm"), ("again", "fcfs"),
+    ]  # fmt: skip
+    assert (summary["repeats"] == 3).all()
+    one = run_policy(engine, "lpm", reqs)
+    row = summary.iloc[0]
+    for col in ("prefill_tokens", "cache_hit_rate", "forward_passes", "retractions"):
+        assert row[col] == one[col], col
+    assert row["wall_s_min"] <= row["wall_s"] <= row["wall_s_max"]
+    assert row["wall_s"] == runs[(runs["workload"] == "shared") & (runs["policy"] == "lpm")]["wall_s"].median()
+    # Scheduling is deterministic: counts that differ between repeats point at a bug, not at noise.
+    broken = runs.copy()
+    broken.loc[0, "prefill_tokens"] += 1
+    with pytest.raises(ValueError, match="prefill_tokens differs between repeats"):
+        policy_summary(broken)
+
+
+def test_queue_table_shows_what_each_policy_sorts_by_and_leaves_the_queue_empty(tiny):
+    engine = Engine(max_total_tokens=256, **tiny)
+    reqs = shared_prefix_workload(
+        num_groups=2, per_group=3, prefix_len=24, question_len=4, output_len=(2, 6), vocab_size=256
+    )
+    run_requests(engine, reqs[:1])  # g0-q0: group 0's prefix is cached now
+    table = queue_table(engine, reqs[1:])
+    assert list(table.index) == [r.rid for r in reqs[1:]]  # arrival order
+    assert table.loc["g0-q1", "cached"] == 24 and table.loc["g1-q1", "cached"] == 0
+    assert (table["to_prefill"] == table["prompt_tokens"] - table["cached"]).all()
+    assert list(table["max_new_tokens"]) == [r.sampling_params["max_new_tokens"] for r in reqs[1:]]
+    assert list(table["group"]) == [r.group for r in reqs[1:]]
     assert not engine.scheduler.has_work() and not engine.results
