@@ -47,6 +47,7 @@ def _pool(batch: int, seq_len: int, num_kv_heads: int, head_dim: int, page_size:
 
 def _replayed_ms(fn) -> float:
     """Median ms of fn captured in a CUDA graph and replayed (no host launch cost)."""
+    torch.cuda.synchronize()  # Triton runs fn on a side stream: the inputs must be written first
     return triton.testing.do_bench_cudagraph(fn, return_mode="median")
 
 
