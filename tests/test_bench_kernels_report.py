@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from labkit.bench import kernels_report
 from labkit.model_executor.cuda_graph_runner import PAD_REQ_POOL_IDX, PAD_SLOT, capture_batch_sizes
+
+# --cpu runs the kernels in Triton's interpreter, which tests/conftest.py turns on only without CUDA.
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="--cpu needs Triton's interpreter (no CUDA)")
 
 
 @pytest.fixture(scope="module")
