@@ -51,10 +51,15 @@ def test_the_teaching_notebooks_are_there():
         "04_paged_memory",
         "05_scheduling_policies",
         "06_serving",
+        "07_kernels",
         "08_parallelism",
         "09_moe",
         "10_speculative_decoding",
         "11_structured_output_and_programs",
+        "12_sampling",
+        "13_packed_batches",
+        "14_overlap_scheduling",
+        "15_incremental_detokenization",
     } <= names
 
 

@@ -12,6 +12,14 @@ value of a cell), tables are pandas DataFrames.
     draw_expert_load(run, layer=0); expert_load(run); load_imbalance(run)   # MoE: tokens per expert per step
     spec_frame(run); draw_drafts(run, rid)     # speculative decoding: drafts against the target, token by token
     draw_accept_lengths(run); draw_accept_histogram(run); draw_spec_kv(run)   # accepted drafts, KV rollback
+    draw_policy_orders(orders, groups); draw_memories([run_a, run_b])      # scheduling policies (notebook 05)
+    draw_split_kv(split_partials(q, k, v, 4, scale), out); draw_paged_addressing(...)   # kernels (07)
+    draw_graph_steps(r); draw_decode_roofline(r); draw_fused_kernels(r)   # r = load_gpu_results(): GPU recordings
+    draw_distributions(logits, settings, tok); draw_penalties(...)       # station 8: filters and penalties (12)
+    with record_forwards(engine) as fw: engine.step()                     # packed batches (13): fw[-1] is the step
+    draw_packed_batch(fw[-1]); draw_req_to_token(fw[-1]); draw_attention_mask(fw[-1])
+    draw_overlap_timeline({"off": e1, "on": e2}); step_phases(run)       # overlap scheduling: host vs device (14)
+    draw_token_bytes(tok, {"label": ids}); draw_decode_cost(frame)        # detokenization: split characters (15)
     StationStepper(run, rid).show(); RunReplayer(run).show()   # ipywidgets, static fallback
 
 How the tree is rebuilt per step: the scheduler's trace hook records a compact TreeSnapshot (nodes
@@ -19,7 +27,17 @@ with lock refs) at the end of every step (labkit.trace.snapshot); the step's Tre
 inserted, split or evicted in it.
 """
 
+from labkit.viz.detokenize import draw_decode_cost, draw_token_bytes
 from labkit.viz.journey import draw_journey, journey_latency
+from labkit.viz.kernels import (
+    draw_decode_roofline,
+    draw_fused_kernels,
+    draw_graph_steps,
+    draw_paged_addressing,
+    draw_split_kv,
+    load_gpu_results,
+    split_partials,
+)
 from labkit.viz.kvpool import (
     describe_request,
     draw_kv_pool,
@@ -30,10 +48,13 @@ from labkit.viz.kvpool import (
 )
 from labkit.viz.memory import draw_memory, memory_frame
 from labkit.viz.moe import draw_expert_load, expert_load, load_imbalance
-from labkit.viz.policies import draw_policy_comparison
+from labkit.viz.overlap import draw_overlap_timeline, step_phases
+from labkit.viz.packed import draw_attention_mask, draw_packed_batch, draw_req_to_token, record_forwards
+from labkit.viz.policies import draw_memories, draw_policy_comparison, draw_policy_orders
 from labkit.viz.processes import draw_stations_by_process
 from labkit.viz.ranks import draw_rank_timeline, rank_steps
 from labkit.viz.run import Run
+from labkit.viz.sampling import draw_distributions, draw_penalties
 from labkit.viz.speculative import (
     draft_runs,
     draw_accept_histogram,
@@ -82,5 +103,8 @@ __all__ = [
     "draw_spec_kv", "draw_stations_by_process", "draw_timeline", "draw_timelines", "draw_waiting",
     "expert_load", "fragmentation", "journey_latency", "kv_snapshot", "load_imbalance", "memory_frame",
     "page_owners", "rank_steps", "req_to_token_table", "spec_frame", "waiting_frame", "waiting_table",
-    "widget_frontend",
+    "widget_frontend", "draw_decode_cost", "draw_token_bytes", "draw_decode_roofline", "draw_fused_kernels",
+    "draw_graph_steps", "draw_paged_addressing", "draw_split_kv", "load_gpu_results", "split_partials",
+    "draw_overlap_timeline", "step_phases", "draw_attention_mask", "draw_packed_batch", "draw_req_to_token",
+    "record_forwards", "draw_memories", "draw_policy_orders", "draw_distributions", "draw_penalties",
 ]  # fmt: skip
