@@ -294,7 +294,7 @@ def draw_kv_pool(
     ax_p.set_title(
         f"Page pool ({snap.num_pages} pages of {snap.page_size} slot{'s' if snap.page_size > 1 else ''}"
         f"; {counts.get('free', 0)} free"
-        + (f"; pages {shown_pages}-{snap.num_pages} not shown, all free" if rest > 0 else "")
+        + (f"; {_pages_range(shown_pages, cells - 1)} not shown, all free" if rest > 0 else "")
         + ")",
         loc="left",
         fontsize=10,
@@ -338,3 +338,7 @@ def fragmentation(snap: KVSnapshot) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows, columns=["rid", "tokens", "pages", "slots_in_pages", "unused_slots"])
+
+
+def _pages_range(first: int, last: int) -> str:
+    return f"page {first}" if first == last else f"pages {first}-{last}"
