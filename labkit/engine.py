@@ -248,10 +248,10 @@ class Engine:
         }
         if req.sampling_params.return_logprob:
             meta["output_token_logprobs"] = list(zip(req.output_token_logprobs, req.output_ids))
-            meta["output_top_logprobs"] = req.output_top_logprobs
+            meta["output_top_logprobs"] = [_logprob_first(top) for top in req.output_top_logprobs]
         if req.sampling_params.wants_input_logprobs:
             meta["input_token_logprobs"] = req.input_token_logprob_pairs()
-            meta["input_top_logprobs"] = req.input_top_logprobs
+            meta["input_top_logprobs"] = [_logprob_first(top) for top in req.input_top_logprobs]
         return {
             "text": "".join(state.pieces) if self.tokenizer is not None else None,
             "output_ids": list(req.output_ids),
@@ -309,3 +309,8 @@ def _as_batch(prompt, input_ids, messages) -> tuple[bool, list[dict[str, Any]]]:
     if messages and isinstance(messages[0], list):
         return False, [{"messages": m} for m in messages]
     return True, [{"messages": messages}]
+
+
+def _logprob_first(top: list[tuple[int, float]] | None) -> list[tuple[float, int]] | None:
+    """A step's top logprobs as SGLang's Engine gives them, (logprob, token id) like the chosen token's."""
+    return None if top is None else [(lp, token) for token, lp in top]

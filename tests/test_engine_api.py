@@ -181,8 +181,8 @@ def test_logprobs(engine):
     assert len(meta["output_token_logprobs"]) == len(out["output_ids"])
     for (lp, tok), top, chosen in zip(meta["output_token_logprobs"], meta["output_top_logprobs"], out["output_ids"]):
         assert tok == chosen and lp <= 0
-        assert len(top) == 3 and top[0][0] == chosen  # greedy picks the most likely token
-        assert top[0][1] == pytest.approx(lp, abs=1e-5)
+        assert len(top) == 3 and top[0][1] == chosen  # greedy picks the most likely token
+        assert top[0][0] == pytest.approx(lp, abs=1e-5)
 
 
 def test_sampling_params_object_is_accepted(engine):

@@ -180,7 +180,7 @@ def test_cuda_backends_agree_on_greedy_outputs_in_bfloat16(checkpoint, variant):
         if a == b:
             continue
         d = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-        (_, top1), (_, top2) = ref["meta_info"]["output_top_logprobs"][d]
+        (top1, _), (top2, _) = ref["meta_info"]["output_top_logprobs"][d]
         gaps.append(top1 - top2)
     assert len(gaps) < len(prompts), "every request differs"
     # A flip needs the top two within about twice one logprob's bf16 error (bounded at 0.15 against

@@ -66,7 +66,7 @@ def expected(reference: torch.Tensor, start: int) -> tuple[list, list]:
         row = reference[j - 1]
         tokens.append((float(row[PROMPT[j]]), PROMPT[j]))
         top = torch.topk(row, TOP)
-        tops.append(list(zip(top.indices.tolist(), top.values.tolist())))
+        tops.append(list(zip(top.values.tolist(), top.indices.tolist())))
     return tokens, tops
 
 
@@ -82,8 +82,8 @@ def assert_matches(meta: dict, reference: torch.Tensor, start: int) -> None:
         if want is None:
             assert got is None
             continue
-        assert [i for i, _ in got] == [i for i, _ in want]
-        assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-5)
+        assert [i for _, i in got] == [i for _, i in want]
+        assert [v for v, _ in got] == pytest.approx([v for v, _ in want], abs=1e-5)
 
 
 def scored(start: int, **extra) -> dict:

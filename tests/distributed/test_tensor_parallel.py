@@ -47,8 +47,8 @@ def _assert_same(ref: dict, got: dict) -> None:
         ):
             assert lp_g == pytest.approx(lp_r, abs=1e-4)
         for top_r, top_g in zip(r["meta_info"]["output_top_logprobs"], g["meta_info"]["output_top_logprobs"]):
-            assert [t for t, _ in top_g] == [t for t, _ in top_r]
-            assert [lp for _, lp in top_g] == pytest.approx([lp for _, lp in top_r], abs=1e-4)
+            assert [t for _, t in top_g] == [t for _, t in top_r]
+            assert [lp for lp, _ in top_g] == pytest.approx([lp for lp, _ in top_r], abs=1e-4)
 
 
 TIGHT = {"max_total_tokens": 320, "chunked_prefill_size": 32, "max_running_requests": 8}
@@ -101,7 +101,7 @@ def test_tp2_gives_the_prompt_logprobs_of_tp1_across_chunks_and_cache_hits():
             assert lp_h == pytest.approx(lp_w, abs=1e-4) if lp_w is not None else lp_h is None
         for top_w, top_h in zip(want["input_top_logprobs"], have["input_top_logprobs"]):
             assert (top_h is None) == (top_w is None)
-            assert [t for t, _ in top_h or []] == [t for t, _ in top_w or []]
+            assert [t for _, t in top_h or []] == [t for _, t in top_w or []]
 
 
 def test_every_rank_samples_the_same_tokens_with_temperature_and_seeds():

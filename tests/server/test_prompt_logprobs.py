@@ -67,7 +67,7 @@ def test_generate_and_echo_give_the_engines_prompt_logprobs(engine_meta):
     assert [[tok, None] for _, tok, _ in meta["input_token_logprobs"]] == [[tok, None] for _, tok in want[4:]]
     assert [lp for lp, _, _ in meta["input_token_logprobs"]] == pytest.approx([lp for lp, _ in want[4:]], abs=1e-5)
     assert [[t for _, t, _ in top] for top in meta["input_top_logprobs"]] == [
-        [t for t, _ in top] for top in want_tops[4:]
+        [t for _, t in top] for top in want_tops[4:]
     ]
     assert gen["output_ids"] == [tok for _, tok in engine_meta["output_token_logprobs"]]
 
@@ -80,7 +80,7 @@ def test_generate_and_echo_give_the_engines_prompt_logprobs(engine_meta):
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
     assert logprobs["token_logprobs"][1:] == pytest.approx([lp for lp, _ in want[1:]], abs=1e-5)
     assert [list(top) for top in logprobs["top_logprobs"][1:]] == [
-        [token_text(t) for t, _ in top] for top in want_tops[1:]
+        [token_text(t) for _, t in top] for top in want_tops[1:]
     ]
     assert logprobs["text_offset"] == [sum(len(token_text(t)) for t in PROMPT[:i]) for i in range(len(PROMPT))]
 

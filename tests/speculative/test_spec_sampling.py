@@ -69,8 +69,8 @@ def test_logprobs_are_those_of_the_tokens_kept(engines):
     assert [t for _, t in mb["output_token_logprobs"]] == b["output_ids"] == a["output_ids"]
     for (la, _), (lb, _) in zip(ma["output_token_logprobs"], mb["output_token_logprobs"]):
         assert lb == pytest.approx(la, abs=1e-4)
-    assert [[i for i, _ in top] for top in mb["output_top_logprobs"]] == [
-        [i for i, _ in top] for top in ma["output_top_logprobs"]
+    assert [[i for _, i in top] for top in mb["output_top_logprobs"]] == [
+        [i for _, i in top] for top in ma["output_top_logprobs"]
     ]
 
 
