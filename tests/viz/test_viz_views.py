@@ -7,6 +7,8 @@ import io
 import pytest
 
 from labkit import Engine
+from labkit.bench.datasets import Request
+from labkit.bench.runner import run_requests
 from labkit.viz import (
     batch_frame,
     cells_frame,
@@ -101,6 +103,57 @@ def test_timeline_rows_in_schedule_order_follow_the_first_computing_step(tiny_ru
     assert [first[r] for r in labels] == sorted(first[r] for r in labels)
     with pytest.raises(ValueError, match="row_order"):
         draw_timeline(tiny_run, row_order="alphabetical")
+
+
+def test_timeline_ticks_every_output_token(tiny_run):
+    """A tick per (request, step) that gave it tokens; together they are each request's output."""
+    cells = cells_frame(tiny_run)
+    for rid, res in tiny_run.results.items():
+        assert cells[cells["rid"] == rid]["tokens_out"].sum() == res["meta_info"]["completion_tokens"], rid
+    chunked = {(s.chunked_rid, s.step) for s in tiny_run.steps if s.chunked_rid}
+    assert chunked and all(out == 0 for out in cells.set_index(["rid", "step"]).loc[list(chunked), "tokens_out"])
+    assert set(cells[cells["phase"].isin(["queued", "stalled"])]["tokens_out"]) == {0}
+    for x in ("step", "time"):
+        ax = draw_timeline(tiny_run, x=x).axes[0]
+        ticks = [c for c in ax.collections if c.get_gid() == "tokens"]
+        assert len(ticks) == 1 and len(ticks[0].get_segments()) == (cells["tokens_out"] > 0).sum()
+    ax = draw_timeline(tiny_run, show_tokens=False).axes[0]
+    assert not [c for c in ax.collections if c.get_gid() == "tokens"]
+
+
+def test_mixed_steps_are_labelled_with_their_decode_count(tiny, tiny_run):
+    """A MIXED step's decodes are a sliver on its chunk: the batch panel writes '+n' over it, and
+    the chunk's label in the Gantt chart says it too (the same form on every chunk, where it fits)."""
+    engine = Engine(enable_trace=True, chunked_prefill_size=24, enable_mixed_chunk=True, **tiny)
+    reqs = [
+        Request(f"r{i}", input_ids=list(range(10, 10 + n)), sampling_params={"max_new_tokens": 12, "ignore_eos": True})
+        for i, n in enumerate([5, 6, 100])
+    ]
+    reqs[2].arrive_step = 2
+    run = run_requests(engine, reqs, label="mixed")
+    mixed = batch_frame(run).query("forward_mode == 'MIXED'")
+    assert len(mixed) >= 3 and set(mixed["decode_tokens"]) == {2}
+    for x in ("step", "time"):
+        fig = draw_timeline(run, x=x)
+        gantt, batch = fig.axes[0], fig.axes[1]
+        # by step every MIXED bar is as wide and gets its label; in time, those too short go without
+        above = [t.get_text() for t in batch.texts]
+        chunks = [t.get_text() for t in gantt.texts if "+" in t.get_text()]
+        long, short = [f"{p} + 2 dec" for p in mixed["prefill_tokens"]], [f"{p}+2" for p in mixed["prefill_tokens"]]
+        if x == "step":
+            assert above in (["+2 dec"] * len(mixed), ["+2"] * len(mixed)), above
+            assert chunks in (long, short), chunks
+        else:
+            assert len(set(above)) <= 1 and set(above) <= {"+2 dec", "+2"}, above
+            assert set(chunks) <= set(long) or set(chunks) <= set(short), chunks
+        legend = [t.get_text() for t in batch.get_legend().get_texts()]
+        assert any("MIXED" in t for t in legend)
+        render(fig)
+    # draw_timelines keeps one legend, which explains '+n' when any of its runs has MIXED steps
+    fig = draw_timelines([tiny_run, run], ["plain", "mixed"])
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert len(legends) == 1 and any("rode along" in t.get_text() for t in legends[0].get_texts())
+    assert not any("rode along" in t.get_text() for t in draw_timeline(tiny_run).axes[0].get_legend().get_texts())
 
 
 def test_timeline_cells_follow_the_step_records(tiny_run):
