@@ -12,6 +12,7 @@ value of a cell), tables are pandas DataFrames.
     draw_expert_load(run, layer=0); expert_load(run); load_imbalance(run)   # MoE: tokens per expert per step
     spec_frame(run); draw_drafts(run, rid)     # speculative decoding: drafts against the target, token by token
     draw_accept_lengths(run); draw_accept_histogram(run); draw_spec_kv(run)   # accepted drafts, KV rollback
+    step_costs(run); draw_step_costs(step_costs(run))                     # station 6: what a step costs (03)
     draw_policy_orders(orders, groups); draw_memories([run_a, run_b])      # scheduling policies (notebook 05)
     draw_split_kv(split_partials(q, k, v, 4, scale), out); draw_paged_addressing(...)   # kernels (07)
     draw_graph_steps(r); draw_decode_roofline(r); draw_fused_kernels(r)   # r = load_gpu_results(): GPU recordings
@@ -27,6 +28,7 @@ with lock refs) at the end of every step (labkit.trace.snapshot); the step's Tre
 inserted, split or evicted in it.
 """
 
+from labkit.viz.batching import draw_step_costs, step_costs
 from labkit.viz.detokenize import draw_decode_cost, draw_token_bytes
 from labkit.viz.journey import draw_journey, journey_latency
 from labkit.viz.kernels import (
@@ -106,5 +108,6 @@ __all__ = [
     "widget_frontend", "draw_decode_cost", "draw_token_bytes", "draw_decode_roofline", "draw_fused_kernels",
     "draw_graph_steps", "draw_paged_addressing", "draw_split_kv", "load_gpu_results", "split_partials",
     "draw_overlap_timeline", "step_phases", "draw_attention_mask", "draw_packed_batch", "draw_req_to_token",
-    "record_forwards", "draw_memories", "draw_policy_orders", "draw_distributions", "draw_penalties",
+    "record_forwards", "draw_step_costs", "step_costs", "draw_memories", "draw_policy_orders", "draw_distributions",
+    "draw_penalties",
 ]  # fmt: skip
