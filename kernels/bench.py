@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
 
 from labkit.kernels import ExtendPlan, decode_attention, decode_kv_splits, extend_attention
-from labkit.kernels.decode import num_sms
+from labkit.kernels.decode import DEFAULT_MAX_KV_SPLITS, num_sms
 
 
 def measure_ceilings(device: torch.device, copy_elements: int = 1 << 28) -> tuple[float, float]:
@@ -43,6 +45,49 @@ def _pool(batch: int, seq_len: int, num_kv_heads: int, head_dim: int, page_size:
     req_to_token = slots[:, :seq_len].contiguous()
     k = torch.randn(num_pages * page_size, num_kv_heads, head_dim, device=device, dtype=dtype)
     return k, torch.randn_like(k), req_to_token
+
+
+@dataclass
+class DecodeCase:
+    """One decode_attention call ready to run: its inputs and the split bound its workspace has."""
+
+    q: torch.Tensor
+    k_buf: torch.Tensor
+    v_buf: torch.Tensor
+    req_to_token: torch.Tensor
+    bound: int
+    call: Callable[[], object]
+
+
+def prepare_decode(
+    batch: int,
+    seq_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_kv_splits: int = DEFAULT_MAX_KV_SPLITS,
+) -> DecodeCase:
+    """`batch` requests of `seq_len` tokens of KV each, in shuffled pages, prepared as the engine's
+    decode graph is (splits and workspace made outside, so `call` runs only the kernels)."""
+    k_buf, v_buf, r2t = _pool(batch, seq_len, num_kv_heads, head_dim, page_size, dtype, device)
+    q = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype)
+    rows = torch.arange(batch, device=device)
+    seq = torch.full((batch,), seq_len, device=device)
+    splits, bound = decode_kv_splits(seq, num_heads, num_kv_heads, num_sms(device), max_kv_splits)
+    out = torch.empty_like(q)
+    mid_o = torch.empty(batch, num_heads, bound, head_dim, dtype=torch.float32, device=device)
+    mid_lse = torch.empty(batch, num_heads, bound, dtype=torch.float32, device=device)
+
+    def call() -> torch.Tensor:
+        return decode_attention(
+            q, k_buf, v_buf, r2t, rows, seq, head_dim**-0.5,
+            out=out, num_kv_splits=splits, max_kv_splits=bound, mid_o=mid_o, mid_lse=mid_lse,
+        )  # fmt: skip
+
+    return DecodeCase(q, k_buf, v_buf, r2t, bound, call)
 
 
 def _replayed_ms(fn) -> float:
@@ -101,31 +146,9 @@ def main() -> None:
     num_heads, num_kv_heads, head_dim, page_size = 32, 8, 128, 16
     scale = head_dim**-0.5
     for batch, seq_len in [(1, 32768), (8, 4096), (64, 4096), (256, 1024)]:
-        k_buf, v_buf, r2t = _pool(batch, seq_len, num_kv_heads, head_dim, page_size, dtype, device)
-        q = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype)
-        rows = torch.arange(batch, device=device)
-        seq = torch.full((batch,), seq_len, device=device)
-        # As the engine's decode graph: splits and buffers prepared outside, only the kernels replayed.
-        splits, bound = decode_kv_splits(seq, num_heads, num_kv_heads, num_sms(device))
-        out = torch.empty_like(q)
-        mid_o = torch.empty(batch, num_heads, bound, head_dim, dtype=torch.float32, device=device)
-        mid_lse = torch.empty(batch, num_heads, bound, dtype=torch.float32, device=device)
-        ms = _replayed_ms(
-            lambda: decode_attention(
-                q,
-                k_buf,
-                v_buf,
-                r2t,
-                rows,
-                seq,
-                scale,
-                out=out,
-                num_kv_splits=splits,
-                max_kv_splits=bound,
-                mid_o=mid_o,
-                mid_lse=mid_lse,
-            )
-        )
+        case = prepare_decode(batch, seq_len, num_heads, num_kv_heads, head_dim, page_size, dtype, device)
+        q, k_buf, v_buf, r2t = case.q, case.k_buf, case.v_buf, case.req_to_token
+        ms = _replayed_ms(case.call)
         floor = 2 * batch * seq_len * num_kv_heads * head_dim * 2 / bw * 1e3
         # SDPA on contiguous K/V (no paging): what a dense kernel does with the same bytes.
         kd = k_buf[r2t].transpose(1, 2)  # [B, H_kv, L, D]

@@ -140,36 +140,13 @@ def decode_case(
 ) -> dict[str, Any]:
     """One decode_attention call timed: `batch` requests of `seq_len` tokens of KV each, in shuffled
     pages; splits as the engine picks them (decode_kv_splits), bounded by max_kv_splits if given."""
-    from labkit.kernels import decode_attention, decode_kv_splits
-    from labkit.kernels.bench import _pool
-    from labkit.kernels.decode import DEFAULT_MAX_KV_SPLITS, num_sms
+    from labkit.kernels.bench import prepare_decode
+    from labkit.kernels.decode import DEFAULT_MAX_KV_SPLITS
 
     h, h_kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    k_buf, v_buf, r2t = _pool(batch, seq_len, h_kv, d, page_size, dtype, device)
-    q = torch.randn(batch, h, d, device=device, dtype=dtype)
-    rows = torch.arange(batch, device=device)
-    seq = torch.full((batch,), seq_len, device=device)
-    splits, bound = decode_kv_splits(seq, h, h_kv, num_sms(device), max_kv_splits or DEFAULT_MAX_KV_SPLITS)
-    out = torch.empty_like(q)
-    mid_o = torch.empty(batch, h, bound, d, dtype=torch.float32, device=device)
-    mid_lse = torch.empty(batch, h, bound, dtype=torch.float32, device=device)
-    ms = time_ms(
-        lambda: decode_attention(
-            q,
-            k_buf,
-            v_buf,
-            r2t,
-            rows,
-            seq,
-            d**-0.5,
-            out=out,
-            num_kv_splits=splits,
-            max_kv_splits=bound,
-            mid_o=mid_o,
-            mid_lse=mid_lse,
-        ),
-        device.type == "cuda",
-    )
+    case = prepare_decode(batch, seq_len, h, h_kv, d, page_size, dtype, device, max_kv_splits or DEFAULT_MAX_KV_SPLITS)
+    k_buf, bound = case.k_buf, case.bound
+    ms = time_ms(case.call, device.type == "cuda")
     kv_bytes = 2 * batch * seq_len * h_kv * d * k_buf.element_size()
     floor_ms = kv_bytes / bandwidth * 1e3
     return {
