@@ -18,8 +18,8 @@ COPY = (
 
 class NoisyDrafter(Drafter):
     """Drafts the request's last token again (what a random-weight tiny model's greedy output does)
-    with probability RIGHT, else a random token; seeded by the request and its length, so a run is
-    reproducible. With RIGHT = 0 it is wrong (nearly) always."""
+    with probability RIGHT, else a random token; seeded by the request's tokens (not its rid, a random
+    uuid), so a run is reproducible. With RIGHT = 0 it is wrong (nearly) always."""
 
     RIGHT = 0.7
 
@@ -27,7 +27,7 @@ class NoisyDrafter(Drafter):
         drafts = []
         for req, k in zip(reqs, budgets):
             ids = req.origin_input_ids + req.output_ids
-            rng = random.Random(zlib.crc32(f"{req.rid}/{len(ids)}".encode()))
+            rng = random.Random(zlib.crc32(repr(ids).encode()))
             drafts.append([ids[-1] if rng.random() < self.RIGHT else rng.randrange(self.vocab_size) for _ in range(k)])
         return drafts
 
