@@ -55,3 +55,24 @@ def test_an_untraced_step_records_no_phases():
     engine.add_request(input_ids=PROMPTS[0], sampling_params=PARAMS[0])
     outs = [engine.scheduler.step() for _ in range(3)]
     assert all(out.phases == {} and out.processed_step is None for out in outs)
+
+
+def test_the_phases_go_to_perfetto_nested_in_their_step_and_come_back(tmp_path):
+    from labkit.trace import Tracer, from_perfetto
+
+    steps = traced_steps(True)
+    tracer = Tracer()
+    tracer.steps = list(steps)
+    events = tracer.to_perfetto()["traceEvents"]
+    slices = {e["args"]["step"]: e for e in events if e.get("cat") == "step"}
+    phases = [e for e in events if e.get("cat") == "phase"]
+    assert len(phases) == sum(len(s.phases) for s in steps)
+    for e in phases:  # Perfetto nests a slice inside the one on its thread that contains it
+        step = slices[e["args"]["step"]]
+        assert (
+            e["tid"] == step["tid"] and step["ts"] <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1e-3
+        )
+    back = from_perfetto(tracer.save_perfetto(tmp_path / "trace.json")).steps
+    assert [s.processed_step for s in back] == [s.processed_step for s in steps]
+    for b, s in zip(back, steps):  # JSON keeps a float's every digit; tuples come back as lists
+        assert {k: tuple(v) for k, v in b.phases.items()} == s.phases

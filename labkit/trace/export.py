@@ -120,7 +120,8 @@ def to_perfetto(tracer: Tracer) -> dict[str, Any]:
 
     Process "requests": one thread per rid, a complete ("X") event per station visit.
     Process "scheduler": thread "steps" with an "X" event per step (named by forward mode), thread
-    "radix tree" with instant ("i") events for insert/split/evict, and counters ("C") "kv_pool"
+    "radix tree" with instant ("i") events for insert/split/evict, a traced step's phases (schedule,
+    prepare, forward, sample, process) as "X" events nested in its step, and counters ("C") "kv_pool"
     (free/evictable/protected/request_owned) and "queue" (running/waiting) per step. With tensor
     parallelism, thread "steps, rank r" holds rank r's steps (rank 0's are "steps").
     """
@@ -163,12 +164,18 @@ def to_perfetto(tracer: Tracer) -> dict[str, Any]:
             "comm_bytes": s.comm_bytes, "comm_seconds": s.comm_seconds,
             "sampled_digest": s.sampled_digest, "expert_tokens": s.expert_tokens,
             "drafts": s.drafts, "accepted": s.accepted, "rollback_slots": s.rollback_slots,
+            "phases": s.phases, "processed_step": s.processed_step,
         }  # fmt: skip
         out.append({
             "name": s.forward_mode, "cat": "step", "ph": "X", "ts": us(s.start),
             "dur": max(0.0, us(s.end) - us(s.start)), "pid": PID_SCHEDULER,
             "tid": TID_RANK0 + s.rank if s.rank else TID_STEPS, "args": _jsonable(args),
         })  # fmt: skip
+        for phase, (a, b) in s.phases.items():  # nested under the step's slice on its thread
+            out.append({
+                "name": phase, "cat": "phase", "ph": "X", "ts": us(a), "dur": max(0.0, us(b) - us(a)),
+                "pid": PID_SCHEDULER, "tid": TID_RANK0 + s.rank if s.rank else TID_STEPS, "args": {"step": s.step},
+            })  # fmt: skip
         if s.rank:
             continue  # the pool and queue counters are rank 0's (every rank has the same)
         # Counters at the step's end: the pool as the step left it.
