@@ -51,7 +51,8 @@ from labkit.viz.kvpool import (
 from labkit.viz.memory import draw_memory, memory_frame
 from labkit.viz.moe import draw_expert_load, expert_load, load_imbalance
 from labkit.viz.overlap import draw_overlap_timeline, step_phases
-from labkit.viz.packed import draw_attention_mask, draw_packed_batch, draw_req_to_token, record_forwards
+from labkit.viz.packed import record_forwards
+from labkit.viz.packed_figures import draw_attention_mask, draw_packed_batch, draw_req_to_token
 from labkit.viz.policies import draw_memories, draw_policy_comparison, draw_policy_orders
 from labkit.viz.processes import draw_stations_by_process
 from labkit.viz.ranks import draw_rank_timeline, rank_steps

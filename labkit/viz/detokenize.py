@@ -149,7 +149,7 @@ def draw_token_bytes(tokenizer: Any, examples: dict[str, list[int]], *, title: s
         Patch(fc="white", ec=SPLIT_CHAR_EDGE, lw=2.0, label="character split across tokens"),
     ]
     fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False)
-    fig.suptitle(title or "UTF-8 characters, their bytes, and the tokens over them", x=0.01, ha="left", fontsize=10)
+    style.figure_title(fig, title or "UTF-8 characters, their bytes, and the tokens over them", weight="normal")
     return fig
 
 
@@ -177,13 +177,12 @@ def draw_decode_cost(frame: pd.DataFrame, *, title: str | None = None) -> Figure
         ax.set_ylim(0, None)
         ax.legend(loc="upper left", fontsize=8, frameon=False)
     full, inc = frame.full_tokens.sum(), frame.incremental_tokens.sum()
-    fig.suptitle(
+    style.figure_title(
+        fig,
         title
         or f"One token per step: {full:,} tokens decoded in all when the whole text is decoded at every step, "
         f"{inc:,} incrementally",
-        x=0.01,
-        ha="left",
-        fontsize=10,
+        weight="normal",
     )
     return fig
 

@@ -433,7 +433,7 @@ def draw_decode_roofline(results: dict[str, Any]) -> Figure:
     ax_s.set_title(
         f"One request of {r0.seq_len} tokens: time against the number of splits", loc="left", fontsize=9, weight="bold"
     )
-    fig.suptitle("Decode attention: " + recorded_by(results), x=0.01, ha="left", fontsize=9, weight="bold")
+    style.figure_title(fig, "Decode attention: " + recorded_by(results), fontsize=9)
     return fig
 
 
@@ -466,5 +466,5 @@ def draw_fused_kernels(results: dict[str, Any]) -> Figure:
     axes[0].invert_yaxis()
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=3, fontsize=7.5, frameon=False)
-    fig.suptitle("Fused norm and rotary kernels: " + recorded_by(results), x=0.01, ha="left", fontsize=9, weight="bold")
+    style.figure_title(fig, "Fused norm and rotary kernels: " + recorded_by(results), fontsize=9)
     return fig

@@ -115,11 +115,7 @@ def draw_expert_load(source: Any, layer: int = 0, steps: tuple[int, int] | None 
     line.xaxis.set_major_formatter(FuncFormatter(lambda x, _: str(step_ids[int(x)]) if 0 <= x < len(step_ids) else ""))
     total = counts.sum(axis=1)
     overall = total.max() / max(total.mean(), 1e-12)
-    fig.suptitle(
-        f"Tokens per expert, MoE layer {layer} (the steps drawn together: max / mean = {overall:.2f})",
-        x=0.01,
-        ha="left",
-        fontsize=10,
-        weight="bold",
+    style.figure_title(
+        fig, f"Tokens per expert, MoE layer {layer} (the steps drawn together: max / mean = {overall:.2f})"
     )
     return fig

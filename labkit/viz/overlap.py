@@ -190,13 +190,7 @@ def draw_overlap_timeline(
         Patch(color=BETWEEN, label="between steps (stream, detokenize)"),
     ]
     axes[0].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
-    fig.suptitle(
-        title or "Host and device work per step; arrows: sampled -> taken in",
-        x=0.01,
-        ha="left",
-        fontsize=10,
-        weight="bold",
-    )
+    style.figure_title(fig, title or "Host and device work per step; arrows: sampled -> taken in")
     return fig
 
 

@@ -93,7 +93,7 @@ def draw_policy_comparison(df: pd.DataFrame, metrics=METRICS, title: str | None 
         ax.set_visible(False)
     axes[0].legend(title="workload", fontsize=8, title_fontsize=8, frameon=False)
     if title:
-        fig.suptitle(title, x=0.01, ha="left", fontsize=12, weight="bold")
+        style.figure_title(fig, title, fontsize=12)
     return fig
 
 

@@ -81,5 +81,5 @@ def draw_stations_by_process(
         )
     axes[-1].set_xlim(lo, hi)
     axes[-1].set_xlabel(f"ms since the first record drawn ({STATION_TITLES[events[0].station]})")
-    fig.suptitle(title or "Station visits by process", x=0.01, ha="left", fontsize=10, weight="bold")
+    style.figure_title(fig, title or "Station visits by process")
     return fig

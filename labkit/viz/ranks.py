@@ -63,11 +63,5 @@ def draw_rank_timeline(source: Any, steps: tuple[int, int] | None = None, title:
     handles.append(Patch(color=COMM_COLOR, label="in collectives"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     share = sum(s.comm_seconds for s in records) / max(sum(s.end - s.start for s in records), 1e-12)
-    fig.suptitle(
-        title or f"Steps by tensor-parallel rank ({share:.0%} of step time in collectives)",
-        x=0.01,
-        ha="left",
-        fontsize=10,
-        weight="bold",
-    )
+    style.figure_title(fig, title or f"Steps by tensor-parallel rank ({share:.0%} of step time in collectives)")
     return fig

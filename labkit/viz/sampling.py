@@ -232,7 +232,7 @@ def draw_distributions(
         handles.append(Line2D([], [], marker="o", ls="none", color=DRAWN, markersize=4, label="share of real draws"))
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 3), fontsize=7, frameon=False)
     if title:
-        fig.suptitle(title, x=0.01, ha="left", fontsize=10, weight="bold")
+        style.figure_title(fig, title)
     return fig
 
 
@@ -292,7 +292,7 @@ def draw_penalties(
     ]
     fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=7, frameon=False)
     if title:
-        fig.suptitle(title, x=0.01, ha="left", fontsize=10, weight="bold")
+        style.figure_title(fig, title)
     return fig
 
 

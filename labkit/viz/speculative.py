@@ -308,11 +308,7 @@ def draw_drafts(
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.0, 0.0), ncols=2, fontsize=7, frameon=False)
     kept = sum(r.accepted for r in records)
     drafted = sum(len(r.draft) for r in records)
-    fig.suptitle(
-        title or f"{rid}: drafts against the target, {kept} of {drafted} accepted in {len(records)} verify steps",
-        x=0.01,
-        ha="left",
-        fontsize=10,
-        weight="bold",
+    style.figure_title(
+        fig, title or f"{rid}: drafts against the target, {kept} of {drafted} accepted in {len(records)} verify steps"
     )
     return fig

@@ -71,5 +71,10 @@ def new_figure(width: float, height: float, **kwargs) -> Figure:
     return Figure(figsize=(width, height), layout=kwargs.pop("layout", "constrained"), **kwargs)
 
 
+def figure_title(fig: Figure, text: str, fontsize: float = 10, weight: str = "bold") -> None:
+    """The figure's title, at its top left like every figure of labkit.viz."""
+    fig.suptitle(text, x=0.01, ha="left", fontsize=fontsize, weight=weight)
+
+
 def request_color(i: int) -> str:
     return REQUEST_PALETTE[i % len(REQUEST_PALETTE)]

@@ -312,13 +312,7 @@ class RunReplayer:
             lines.append(f"  ... and {len(table) - 12} more")
         ax_txt.axis("off")
         ax_txt.text(0, 1.0, "\n".join(lines), va="top", fontsize=8.5, family="monospace", transform=ax_txt.transAxes)
-        fig.suptitle(
-            f"Replay of {run.label or 'the run'} at step {step} (dotted line)",
-            x=0.01,
-            ha="left",
-            fontsize=12,
-            weight="bold",
-        )
+        style.figure_title(fig, f"Replay of {run.label or 'the run'} at step {step} (dotted line)", fontsize=12)
         return fig
 
     def figures(self, step: int) -> list:

@@ -13,13 +13,11 @@ from labkit.viz.packed import (
     attention_mask,
     check_attention_mask,
     check_positions,
-    draw_attention_mask,
-    draw_packed_batch,
-    draw_req_to_token,
     mask_error,
     padding_cost,
     record_forwards,
 )
+from labkit.viz.packed_figures import draw_attention_mask, draw_packed_batch, draw_req_to_token
 
 SHARED = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # a "system prompt" the requests begin with
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}

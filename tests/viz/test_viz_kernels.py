@@ -18,6 +18,16 @@ def right_merge(m, sumexp, o):
     return (w[:, :, None] * o).sum(0) / w.sum(0)[:, None]
 
 
+def qkv(seed: int, heads: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode query of `heads` heads over `tokens` tokens of KV in 2 KV heads, head dim 8."""
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(heads, 8, generator=gen),
+        torch.randn(tokens, 2, 8, generator=gen),
+        torch.randn(tokens, 2, 8, generator=gen),
+    )
+
+
 def test_split_bounds_follow_the_kernels_rule():
     assert vk.split_bounds(200, 4) == [(0, 50), (50, 100), (100, 150), (150, 200)]
     assert vk.split_bounds(101, 3) == [(0, 34), (34, 68), (68, 101)]
@@ -25,12 +35,7 @@ def test_split_bounds_follow_the_kernels_rule():
 
 
 def test_split_partials_merge_back_to_softmax_attention():
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (
-        torch.randn(6, 8, generator=gen),
-        torch.randn(40, 2, 8, generator=gen),
-        torch.randn(40, 2, 8, generator=gen),
-    )
+    q, k, v = qkv(seed=0, heads=6, tokens=40)
     parts = vk.split_partials(q, k, v, 3, 8**-0.5)
     dense = torch.nn.functional.scaled_dot_product_attention(
         q[None, :, None].double(),
@@ -68,12 +73,7 @@ def test_check_merge_fails_a_wrong_merge(wrong, message):
 
 
 def test_draw_split_kv_and_paged_addressing():
-    gen = torch.Generator().manual_seed(1)
-    q, k, v = (
-        torch.randn(4, 8, generator=gen),
-        torch.randn(30, 2, 8, generator=gen),
-        torch.randn(30, 2, 8, generator=gen),
-    )
+    q, k, v = qkv(seed=1, heads=4, tokens=30)
     parts = vk.split_partials(q, k, v, 4, 8**-0.5)
     assert isinstance(vk.draw_split_kv(parts, parts.reference.float(), head=1, dims=4), Figure)
     r2t = torch.zeros(3, 16, dtype=torch.int64)
