@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+HICACHE_WRITE_POLICIES = ("write_back", "write_through")
+
 
 @dataclass
 class EngineConfig:
@@ -53,7 +56,48 @@ class EngineConfig:
     kv_memory_gb: float = field(
         default=1.0, metadata={"help": "KV pool memory in GiB when --max-total-tokens is not given"}
     )
+    mem_fraction_static: float | None = field(
+        default=None,
+        metadata={
+            "help": "CUDA: share of the GPU's memory for weights and KV pool; the pool gets what is left of it "
+            "after the weights (the rest stays for activations and CUDA graphs). Overrides --kv-memory-gb"
+        },
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "KV pool storage: auto (the model's dtype), fp8_e4m3 or fp8_e5m2 (half the bytes of bf16, "
+            "per-layer scales 1.0 unless the checkpoint has them)"
+        },
+    )
     max_running_requests: int = field(default=256, metadata={"help": "most requests decoding at once"})
+    enable_hierarchical_cache: bool = field(
+        default=False,
+        metadata={
+            "help": "keep prefixes evicted from the device pool in a host pool (and on disk with "
+            "--hicache-storage-dir), loading them back on a prefix hit (HiRadixCache)"
+        },
+    )
+    hicache_size: float = field(
+        default=0.0, metadata={"help": "host KV pool in GiB (0: twice the device pool's bytes)"}
+    )
+    hicache_write_policy: str = field(
+        default="write_back",
+        metadata={
+            "help": "write_back: copy a prefix to host when it is evicted from the device; write_through: "
+            "as soon as it is cached"
+        },
+    )
+    hicache_storage_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "a directory for the disk tier under the host pool (blocks keyed by the hash of their "
+            "token prefix: a restarted server finds them again); none: no disk tier"
+        },
+    )
+    hicache_storage_block: int = field(
+        default=64, metadata={"help": "tokens per disk block (a multiple of --page-size)"}
+    )
     # Scheduling
     schedule_policy: str = field(default="fcfs", metadata={"help": "order in which waiting requests are admitted"})
     chunked_prefill_size: int | None = field(

@@ -22,7 +22,7 @@ from labkit.scheduler.schedule_batch import Req
 from labkit.scheduler.scheduler import Scheduler, StepOutput
 from labkit.tokenizer.detokenizer_manager import DetokenizerManager
 from labkit.tokenizer.prompt import apply_chat_template, tokenize_request
-from labkit.trace.events import PoolUsage
+from labkit.trace.events import PoolUsage, TierUsage
 from labkit.trace.recorder import Tracer
 
 
@@ -44,6 +44,7 @@ class EngineStep(Summarized):
     pool: PoolUsage
     running: int
     waiting: int
+    host_pool: TierUsage | None = None  # the host tier (--enable-hierarchical-cache)
 
     def summary(self) -> dict[str, object]:
         out: dict[str, object] = {"step": self.step, "forward_mode": self.forward_mode, "requests": len(self.rids)}
@@ -208,6 +209,7 @@ class Engine:
             pool=sched.pool_usage(),
             running=len(sched.running),
             waiting=len(sched.waiting_queue),
+            host_pool=sched.tree_cache.tier_usage(),
         )
 
     def _step(self) -> StepOutput:

@@ -15,7 +15,7 @@ import yaml
 
 from labkit.attention import ATTENTION_BACKENDS
 from labkit.attention.base import LAZY_BACKENDS
-from labkit.config import EngineConfig, check_parallel
+from labkit.config import HICACHE_WRITE_POLICIES, KV_CACHE_DTYPES, EngineConfig, check_parallel
 from labkit.constrained import grammar_backend_names
 from labkit.distributed.dp_controller import LOAD_BALANCE_POLICIES
 from labkit.scheduler.schedule_policy import POLICIES
@@ -106,6 +106,8 @@ def _choices() -> dict[str, list[str]]:
         "attention_backend": ["auto", *sorted(ATTENTION_BACKENDS.keys() | LAZY_BACKENDS.keys())],
         "grammar_backend": grammar_backend_names(),
         "speculative_algorithm": drafter_names(),
+        "kv_cache_dtype": list(KV_CACHE_DTYPES),
+        "hicache_write_policy": list(HICACHE_WRITE_POLICIES),
     }
 
 

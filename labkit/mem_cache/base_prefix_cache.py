@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from labkit.reprs import Summarized
-from labkit.trace.events import TreeEvent
+from labkit.trace.events import TierUsage, TreeEvent
 
 EventHook = Callable[[TreeEvent], None]
 
@@ -25,6 +25,10 @@ EventHook = Callable[[TreeEvent], None]
 class MatchResult:
     device_indices: torch.Tensor  # int64 KV slots of the matched prefix, one per token
     last_node: Any  # deepest node of the match: the one to lock (None for ChunkCache)
+    # HiRadixCache: the match goes on below last_node for this many tokens whose KV is in the host
+    # pool only, down to last_host_node; load_back brings them to the device.
+    host_hit_length: int = 0
+    last_host_node: Any = None
 
 
 class CacheableReq(Protocol):
@@ -58,12 +62,20 @@ class BasePrefixCache(Summarized, ABC):
 
     page_size: int
     root: Any  # the tree's root node (None for a cache that keeps no tree)
+    loads_back: bool = False  # load_back can make more of a match device-resident (a tiered cache)
 
     @abstractmethod
     def match_prefix(self, key: list[int]) -> MatchResult:
         """Longest cached prefix of key whose length is a multiple of page_size, with its KV slots
         and the node that ends exactly at the match (a node is split if the match ends inside it).
         Marks the matched path as recently used. Transfers no ownership."""
+
+    def load_back(self, key: list[int], match: MatchResult) -> MatchResult:
+        """Make more of key's cached prefix device-resident, right before a request that matched it
+        (`match`, from match_prefix(key)) is admitted: a tiered cache copies its host (and disk) KV
+        into freshly allocated device slots, which the tree then owns. Returns the match as it is
+        now (device part only); with nothing below the device (the default) that is `match`."""
+        return match
 
     @abstractmethod
     def insert(self, key: list[int], value: torch.Tensor) -> int:
@@ -102,6 +114,10 @@ class BasePrefixCache(Summarized, ABC):
 
     @abstractmethod
     def protected_size(self) -> int: ...
+
+    def tier_usage(self) -> TierUsage | None:
+        """The host tier's slots by owner; None for a cache with no tier below the device."""
+        return None
 
     def total_size(self) -> int:
         return self.evictable_size() + self.protected_size()

@@ -24,7 +24,7 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class TreeNode:
-    __slots__ = ("id", "parent", "children", "key", "value", "lock_ref", "last_access_time")
+    __slots__ = ("id", "parent", "children", "key", "value", "host_value", "lock_ref", "last_access_time")
 
     def __init__(
         self, node_id: int, parent: TreeNode | None, key: list[int], value: torch.Tensor, last_access_time: int
@@ -33,7 +33,8 @@ class TreeNode:
         self.parent = parent
         self.children: dict[int | tuple[int, ...], TreeNode] = {}
         self.key = key
-        self.value = value  # int64 KV slots, one per token of key
+        self.value = value  # int64 KV slots, one per token of key (empty: not on the device, see HiRadixCache)
+        self.host_value: torch.Tensor | None = None  # host pool slots (HiRadixCache only)
         self.lock_ref = 0
         self.last_access_time = last_access_time  # logical clock: larger is more recent
 
@@ -96,12 +97,12 @@ class RadixCache(BasePrefixCache):
 
     # ---- lookup / insert ----
 
-    def _walk(self, key: list[int]) -> tuple[TreeNode, int, list[torch.Tensor]]:
+    def _walk(self, key: list[int]) -> tuple[TreeNode, int, list[TreeNode]]:
         """Follow key (page-aligned) down the tree, marking the path as used and splitting the node
-        the match ends inside. Returns the deepest node reached, the matched length and the values
-        of the matched nodes."""
+        the match ends inside. Returns the deepest node reached, the matched length and the matched
+        nodes, root excluded."""
         now = next(self._clock)
-        node, pos, values = self.root, 0, []
+        node, pos, path = self.root, 0, []
         node.last_access_time = now
         while pos < len(key):
             child = node.children.get(self._child_key(key, pos))
@@ -114,16 +115,16 @@ class RadixCache(BasePrefixCache):
             if partial:
                 child = self._split(child, n)  # the unmatched lower part keeps its access time
             child.last_access_time = now
-            values.append(child.value)
+            path.append(child)
             node, pos = child, pos + n
             if partial:
                 break
-        return node, pos, values
+        return node, pos, path
 
     def match_prefix(self, key: list[int]) -> MatchResult:
         key = key[: len(key) - len(key) % self.page_size]
-        node, _, values = self._walk(key)
-        return MatchResult(torch.cat(values) if values else self._empty, node)
+        node, _, path = self._walk(key)
+        return MatchResult(torch.cat([n.value for n in path]) if path else self._empty, node)
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         if len(key) % self.page_size:
@@ -140,7 +141,11 @@ class RadixCache(BasePrefixCache):
             self._evictable += len(leaf.key)
             if self.on_event is not None:
                 self._emit("insert", leaf, node)
+            self._on_insert(leaf)
         return pos
+
+    def _on_insert(self, leaf: TreeNode) -> None:
+        """Called for each new leaf (HiRadixCache writes it to the host and disk tiers here)."""
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut child after its first n tokens; the new upper node takes child's place and locks."""
@@ -150,6 +155,8 @@ class RadixCache(BasePrefixCache):
         upper.lock_ref = child.lock_ref
         parent.children[self._child_key(child.key, 0)] = upper
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        if child.host_value is not None:
+            upper.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
         upper.children[self._child_key(child.key, 0)] = child
         if self.on_event is not None:
             self._emit("split", upper, parent)

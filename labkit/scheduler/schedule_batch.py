@@ -55,6 +55,7 @@ class Req(Summarized):
     req_pool_idx: int | None = None
     prefix_indices: torch.Tensor = EMPTY_INDICES
     last_node: Any = None
+    host_prefix_len: int = 0  # its last match went on for this many tokens in a host tier (HiRadixCache)
     kv_len: int = 0
     # This round's extend: all_ids[len(prefix_indices) : len(prefix_indices) + extend_input_len]
     extend_input_len: int = 0
@@ -105,16 +106,21 @@ class Req(Summarized):
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    def init_next_round_input(self, tree_cache: BasePrefixCache) -> None:
-        """Match the cached prefix of what still has to be computed (waiting requests only)."""
+    def init_next_round_input(self, tree_cache: BasePrefixCache, load_back: bool = False) -> None:
+        """Match the cached prefix of what still has to be computed (waiting requests only); with
+        load_back (right before admission), bring what a tiered cache holds below the device up."""
         ids = self.all_ids
         # Keep at least one token to compute: its logits give the next token. A prompt still to be
         # scored matches no further than its first scoring position: cached KV has no hidden states to
         # score from (SGLang does the same), so those tokens are computed again.
         limit = len(ids) - 1
         to_score = self.input_logprob_positions(0, limit)
-        match = tree_cache.match_prefix(ids[: min(limit, to_score.start) if to_score else limit])
+        key = ids[: min(limit, to_score.start) if to_score else limit]
+        match = tree_cache.match_prefix(key)
+        if load_back:
+            match = tree_cache.load_back(key, match)
         self.prefix_indices, self.last_node = match.device_indices, match.last_node
+        self.host_prefix_len = match.host_hit_length
         self.extend_input_len = len(ids) - len(self.prefix_indices)
 
     def input_logprob_positions(self, start: int, end: int) -> range:

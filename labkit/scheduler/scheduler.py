@@ -17,9 +17,8 @@ from labkit.config import EngineConfig
 from labkit.constrained import BaseGrammarBackend, BaseGrammarObject, GrammarSpec, build_vocab_mask, get_grammar_backend
 from labkit.distributed.parallel_state import TPGroup
 from labkit.io_struct import AbortReq, TokenizedGenerateReqInput
-from labkit.mem_cache.base_prefix_cache import BasePrefixCache, held_row
-from labkit.mem_cache.chunk_cache import ChunkCache
-from labkit.mem_cache.radix_cache import RadixCache
+from labkit.mem_cache.base_prefix_cache import held_row
+from labkit.mem_cache.factory import make_prefix_cache
 from labkit.model_executor.forward_batch import ForwardMode
 from labkit.model_executor.future_map import FutureMap, HostSample
 from labkit.model_executor.model_runner import ModelRunner
@@ -98,12 +97,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         self.page_size = config.page_size
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.allocator = model_runner.token_to_kv_pool_allocator
-        self.tree_cache: BasePrefixCache
-        if config.disable_radix_cache:
-            self.tree_cache = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
-        else:
-            on_event = tracer.tree if tracer is not None else None
-            self.tree_cache = RadixCache(self.req_to_token_pool, self.allocator, self.page_size, on_event=on_event)
+        self.tree_cache = make_prefix_cache(config, model_runner, tracer.tree if tracer is not None else None)
         self.policy = self._make_policy(config.schedule_policy, None)
         self.max_req_len = model_runner.context_len
         self.limits = RequestLimits(
@@ -339,8 +333,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
             elif adder.new_chunked_req is not None:
                 adder.blocked[req.rid] = "a request is being chunk-prefilled this step"
             else:
-                if not self.policy.needs_prefix_match:
-                    req.init_next_round_input(self.tree_cache)
+                # A tiered cache matches again right before admission: loading one request's prefix
+                # back may evict what another one matched when the queue was sorted.
+                if self.tree_cache.loads_back or not self.policy.needs_prefix_match:
+                    req.init_next_round_input(self.tree_cache, load_back=True)
                 if not adder.add_one_req(req):
                     stopped_at = req.rid
         out.blocked = adder.blocked

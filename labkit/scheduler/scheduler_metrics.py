@@ -149,6 +149,7 @@ class SchedulerMetricsMixin:
                 rollback_slots=out.rollback_slots,
                 phases=out.phases,
                 processed_step=out.processed_step,
+                host_pool=self.tree_cache.tier_usage(),
             )
         )
         # The tree with its locks and the waiting queue with its matches, for replaying (labkit.viz).

@@ -45,6 +45,16 @@ class PoolUsage:
 
 
 @dataclass
+class TierUsage:
+    """Host KV pool slots by owner (HiRadixCache). free + host_only + backed_up == total, always."""
+
+    total: int
+    free: int
+    host_only: int  # tree nodes evicted from the device, kept only here
+    backed_up: int  # host copies of device-resident nodes (eviction from the device then costs no copy)
+
+
+@dataclass
 class StepRecord:
     step: int
     start: float
@@ -82,11 +92,15 @@ class StepRecord:
     # took the tokens of step `processed_step`: this step's without overlap, an earlier one's with it.
     phases: dict[str, tuple[float, float]] = field(default_factory=dict)
     processed_step: int | None = None
+    host_pool: TierUsage | None = None  # the host tier as the step left it (--enable-hierarchical-cache)
 
 
 @dataclass
 class TreeEvent:
-    kind: str  # "insert" | "split" | "evict"
+    # "insert" | "split" | "evict" (the node left the tree); with the hierarchical cache also
+    # "write_host" (its KV copied to the host), "offload" (its device copy freed, the host one kept),
+    # "load_back" (host -> device), "drop_host" (its host copy freed), "disk_read" (a new node from disk)
+    kind: str
     time: float
     node_id: int
     parent_id: int | None

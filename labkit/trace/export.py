@@ -4,11 +4,12 @@ trace-event JSON (open in https://ui.perfetto.dev or chrome://tracing)."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from labkit.trace.events import PoolUsage, Station, StationEvent, StepRecord, TreeEvent
+from labkit.trace.events import PoolUsage, Station, StationEvent, StepRecord, TierUsage, TreeEvent
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -22,7 +23,8 @@ STEP_COLUMNS = [
     "step", "start", "end", "duration", "forward_mode", "batch_size", "rids", "extend_lens",
     "prefix_lens", "num_tokens", "cache_hit_tokens", "pool_total", "pool_free", "pool_evictable",
     "pool_protected", "pool_request_owned", "running", "waiting", "chunked_rid", "finished",
-    "retracted", "blocked", "expert_tokens", "drafts", "accepted", "rollback_slots",
+    "retracted", "blocked", "expert_tokens", "drafts", "accepted", "rollback_slots", "host_total", "host_free",
+    "host_host_only", "host_backed_up",
 ]  # fmt: skip
 TREE_COLUMNS = ["kind", "time", "node_id", "parent_id", "num_tokens", "tokens"]
 RANK_COLUMNS = [
@@ -30,6 +32,7 @@ RANK_COLUMNS = [
     "comm_seconds", "sampled_digest",
 ]  # fmt: skip
 POOL_FIELDS = ("free", "evictable", "protected", "request_owned")
+HOST_FIELDS = ("total", "free", "host_only", "backed_up")  # TierUsage
 
 # Perfetto process ids: one track group per record type.
 PID_REQUESTS, PID_SCHEDULER = 1, 2
@@ -91,6 +94,7 @@ def to_dataframe(tracer: Tracer, kind: Kind = "stations") -> pd.DataFrame:
                 "drafts": s.drafts,
                 "accepted": s.accepted,
                 "rollback_slots": s.rollback_slots,
+                **{f"host_{f}": getattr(s.host_pool, f) if s.host_pool else None for f in HOST_FIELDS},
             }  # fmt: skip
             for s in tracer.steps
         ]
@@ -165,6 +169,7 @@ def to_perfetto(tracer: Tracer) -> dict[str, Any]:
             "sampled_digest": s.sampled_digest, "expert_tokens": s.expert_tokens,
             "drafts": s.drafts, "accepted": s.accepted, "rollback_slots": s.rollback_slots,
             "phases": s.phases, "processed_step": s.processed_step,
+            "host_pool": asdict(s.host_pool) if s.host_pool else None,
         }  # fmt: skip
         out.append({
             "name": s.forward_mode, "cat": "step", "ph": "X", "ts": us(s.start),
@@ -179,7 +184,10 @@ def to_perfetto(tracer: Tracer) -> dict[str, Any]:
         if s.rank:
             continue  # the pool and queue counters are rank 0's (every rank has the same)
         # Counters at the step's end: the pool as the step left it.
-        for name, values in (("kv_pool", pool), ("queue", {"running": s.running, "waiting": s.waiting})):
+        counters = [("kv_pool", pool), ("queue", {"running": s.running, "waiting": s.waiting})]
+        if s.host_pool:
+            counters.append(("host_kv_pool", {f: getattr(s.host_pool, f) for f in HOST_FIELDS[1:]}))
+        for name, values in counters:
             out.append({"name": name, "ph": "C", "ts": us(s.end), "pid": PID_SCHEDULER, "args": values})
     for t in tracer.tree_events:
         out.append({
@@ -219,7 +227,9 @@ def from_perfetto(trace: dict[str, Any] | str | Path) -> Tracer:
             tracer.events.append(StationEvent(args.pop("rid"), station, start, end, args.pop("step"), args))
         elif ev.get("cat") == "step":
             pool = PoolUsage(**args.pop("pool"))
-            record = StepRecord(start=start, end=end, forward_mode=ev["name"], pool=pool, **args)
+            host = args.pop("host_pool", None)
+            host_pool = TierUsage(**host) if host else None
+            record = StepRecord(start=start, end=end, forward_mode=ev["name"], pool=pool, host_pool=host_pool, **args)
             (tracer.rank_steps if record.rank else tracer.steps).append(record)
         elif ev.get("cat") == "tree":
             tracer.tree_events.append(TreeEvent(kind=ev["name"].removeprefix("tree "), time=start, **args))

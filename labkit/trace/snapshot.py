@@ -29,6 +29,7 @@ class NodeState:
     lock_ref: int  # > 0: protected (a running request uses it); 0: evictable
     last_access: int  # the cache's logical LRU clock (larger = more recent)
     head: tuple[int, ...]  # the first tokens of the key, for labels
+    tier: str = "device"  # where its KV is: "device", "host" or "device+host" (HiRadixCache)
 
 
 @dataclass
@@ -42,7 +43,13 @@ class TreeSnapshot:
 
     @property
     def evictable(self) -> int:
-        return sum(n.num_tokens for n in self.nodes if n.parent is not None and n.lock_ref == 0)
+        """Device tokens no running request uses."""
+        return sum(n.num_tokens for n in self.nodes if n.parent is not None and n.lock_ref == 0 and n.tier != "host")
+
+    @property
+    def host_only(self) -> int:
+        """Tokens whose KV is in the host tier only."""
+        return sum(n.num_tokens for n in self.nodes if n.tier == "host")
 
     @property
     def protected(self) -> int:
@@ -57,6 +64,7 @@ class WaitingState:
     input_len: int  # tokens it has to hold: prompt (+ outputs, after a retraction)
     prefix_len: int | None  # cached tokens at its last match; None: not matched since it (re)entered
     retract_count: int = 0
+    host_prefix_len: int = 0  # and below them, tokens of the match in the host tier (loaded back at admission)
 
 
 @dataclass
@@ -79,6 +87,7 @@ def snapshot_tree(
     for node in tree_cache.nodes():  # root first, then depth first
         parent = node.parent.id if node.parent is not None else None
         n = len(node.key)
+        tier = _tier(node)
         old = previous.get(node.id)
         # A node's key only changes by a split, which gives it a new (upper) parent and a shorter key.
         if (
@@ -87,13 +96,21 @@ def snapshot_tree(
             and old.num_tokens == n
             and old.lock_ref == node.lock_ref
             and old.last_access == node.last_access_time
+            and old.tier == tier
         ):
             out.append(old)
         else:
             out.append(
-                NodeState(node.id, parent, n, node.lock_ref, node.last_access_time, tuple(node.key[:head_tokens]))
+                NodeState(node.id, parent, n, node.lock_ref, node.last_access_time, tuple(node.key[:head_tokens]), tier)
             )
     return TreeSnapshot(step, getattr(tree_cache, "page_size", 1), tuple(out))
+
+
+def _tier(node: Any) -> str:
+    on_host = getattr(node, "host_value", None) is not None
+    if node.parent is not None and not len(node.value):
+        return "host"
+    return "device+host" if on_host else "device"
 
 
 def snapshot_waiting(waiting_queue: list[Any]) -> list[WaitingState]:
@@ -103,6 +120,7 @@ def snapshot_waiting(waiting_queue: list[Any]) -> list[WaitingState]:
             len(r.origin_input_ids) + len(r.output_ids),
             len(r.prefix_indices) if r.last_node is not None else None,
             r.retract_count,
+            r.host_prefix_len,
         )
         for r in waiting_queue
     ]

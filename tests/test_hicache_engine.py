@@ -1,0 +1,115 @@
+"""The hierarchical cache in the Engine (embedded model, CPU, greedy): outputs equal those without it,
+across evictions to host and disk and loads back, and across a restart that finds the disk tier."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit import Engine
+
+TOPICS = ["cooking", "astronomy", "gardening", "chess", "music"]
+GREEDY = {"temperature": 0, "max_new_tokens": 6}
+
+
+def conversations(engine: Engine, rounds: int = 2) -> list[tuple[str, int]]:
+    """Each topic's long system prompt, visited round after round: the pool cannot keep them all."""
+    out = []
+    for r in range(rounds):
+        for topic in TOPICS:
+            res = engine.generate(
+                f"You are an expert on {topic}. " * 24 + f"One fact, round {r}.", sampling_params=GREEDY
+            )
+            out.append((res["text"], res["meta_info"]["cached_tokens"]))
+    return out
+
+
+def assert_idle(engine: Engine) -> None:
+    """Nothing held: every device slot is free or in the tree, every host slot free or in the tree."""
+    usage = engine.pool_usage()
+    assert usage.request_owned == 0 and usage.protected == 0
+    assert usage.free + usage.evictable == usage.total
+    host = engine.tree_cache.tier_usage()
+    if host is not None:
+        assert host.free + host.host_only + host.backed_up == host.total
+
+
+@pytest.fixture(scope="module")
+def without_tiers() -> dict[int, list[tuple[str, int]]]:
+    return {page: conversations(Engine(max_total_tokens=512, page_size=page)) for page in (1, 16)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_host_tier_gives_the_same_outputs_and_more_cache_hits(page, policy, without_tiers):
+    engine = Engine(max_total_tokens=512, page_size=page, enable_hierarchical_cache=True, hicache_write_policy=policy)
+    got = conversations(engine)
+    base = without_tiers[page]
+    assert [t for t, _ in got] == [t for t, _ in base]
+    second_round = slice(len(TOPICS), None)
+    # Without the host tier the second round finds only the shared first tokens; with it, the system prompts.
+    assert sum(c for _, c in got[second_round]) > 4 * sum(c for _, c in base[second_round])
+    stats = engine.tree_cache.stats
+    assert stats.written_to_host and stats.loaded_back
+    assert_idle(engine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", [1, 16])
+def test_disk_tier_survives_a_restart_and_a_corrupt_block_is_a_miss(page, tmp_path, without_tiers):
+    options = dict(
+        max_total_tokens=512,
+        page_size=page,
+        enable_hierarchical_cache=True,
+        hicache_size=0.005,  # about 100 tokens: most evicted prefixes go on to disk only
+        hicache_storage_dir=str(tmp_path),
+        hicache_storage_block=32,
+    )
+    first = Engine(**options)
+    assert [t for t, _ in conversations(first)] == [t for t, _ in without_tiers[page]]
+    assert first.tree_cache.stats.written_to_disk
+
+    restarted = Engine(**options)  # empty device and host tiers, same directory
+    got = conversations(restarted, rounds=1)
+    assert [t for t, _ in got] == [t for t, _ in without_tiers[page][: len(TOPICS)]]
+    assert all(cached >= 128 for _, cached in got)  # each system prompt came back from disk
+    assert restarted.tree_cache.stats.read_from_disk
+    assert_idle(restarted)
+
+    for block in tmp_path.rglob("*.pt"):
+        block.write_bytes(block.read_bytes()[:100])  # truncated: every read fails
+    corrupt = Engine(**options)
+    got = conversations(corrupt, rounds=1)
+    assert [t for t, _ in got] == [t for t, _ in without_tiers[page][: len(TOPICS)]]
+    assert corrupt.tree_cache.stats.read_from_disk == 0
+    assert_idle(corrupt)
+
+
+@pytest.mark.slow
+def test_traced_run_shows_the_host_tier():
+    engine = Engine(max_total_tokens=512, enable_hierarchical_cache=True, enable_trace=True)
+    conversations(engine)
+    steps = engine.tracer.steps
+    assert all(s.host_pool is not None for s in steps)
+    assert max(s.host_pool.host_only for s in steps) > 0
+    kinds = {e.kind for e in engine.tracer.tree_events}
+    assert {"write_host", "offload", "load_back"} <= kinds
+    tiers = {n.tier for snap in engine.tracer.snapshots if snap.tree for n in snap.tree.nodes}
+    assert "host" in tiers
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"hicache_size": 1e6}, "hicache-size"),
+        ({"hicache_write_policy": "sometimes"}, "write_policy"),
+        ({"disable_radix_cache": True}, "radix cache"),
+        ({"hicache_storage_dir": "/proc/labkit-kv"}, "not writable"),
+        ({"hicache_storage_dir": "TMP", "hicache_storage_block": 12, "page_size": 16}, "multiple of page_size"),
+    ],
+)
+def test_bad_tier_options_are_clear_errors_at_start(options, message, tmp_path):
+    if options.get("hicache_storage_dir") == "TMP":
+        options = options | {"hicache_storage_dir": str(tmp_path)}
+    with pytest.raises(ValueError, match=message):
+        Engine(max_total_tokens=512, enable_hierarchical_cache=True, **options)
