@@ -5,7 +5,11 @@ tile list is planned once per forward, so a batch of one long prompt and many on
 launches no idle programs). A program runs flash attention in two phases with one online softmax:
 the request's cached prefix, read through req_to_token (every prefix token is visible to every new
 token), then the new tokens' own K/V from the k, v arguments: unmasked blocks before the tile, then
-the tile's diagonal blocks with the causal mask."""
+the tile's diagonal blocks with the causal mask.
+
+A float8 pool (--kv-cache-dtype fp8_*) is loaded as float8 and dequantized in the kernel: phase 1's
+K scale is folded into its score scale, and its V scale multiplies the accumulator once phase 1 is
+done (the new tokens' K/V of phases 2 and 3 are not quantized)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import triton
 import triton.language as tl
 
 from labkit.kernels.flash import LOG2E, online_softmax_step, paged_block_step
+from labkit.mem_cache.memory_pool import is_fp8
 
 
 @triton.jit
@@ -34,6 +39,8 @@ def _extend_kernel(
     Tile_req,
     Tile_start,
     qk_scale,  # sm_scale * log2(e)
+    k_scale,  # the pool's scales (1.0 unless it stores float8)
+    v_scale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -53,6 +60,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP16_DOT: tl.constexpr,  # a float8 pool under a 16-bit q: phase 1 multiplies in float16 (decode.py)
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -78,10 +86,15 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # Phase 1: the cached prefix, from the pool.
+    prefix_qk_scale = qk_scale * k_scale
+    if FP16_DOT:
+        q_prefix = q.to(tl.float16)
+    else:
+        q_prefix = q
     for n0 in range(0, prefix_len, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         m_i, l_i, acc = paged_block_step(
-            q,
+            q_prefix,
             m_i,
             l_i,
             acc,
@@ -97,9 +110,12 @@ def _extend_kernel(
             stride_kbh,
             stride_vbs,
             stride_vbh,
-            qk_scale,
+            prefix_qk_scale,
             DOT_PRECISION,
         )
+    # acc sums softmax weights times stored V: one multiply dequantizes all of it (the online
+    # softmax's later rescaling is linear).
+    acc = acc * v_scale
 
     # Phase 2: the new tokens before this tile, visible to all its rows (BLOCK_N divides BLOCK_M, so
     # these blocks end at m0 < extend_len: no mask).
@@ -191,6 +207,8 @@ def extend_attention(
     sm_scale: float,
     out: torch.Tensor | None = None,
     plan: ExtendPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of the new tokens of each request; returns out [T, H, D].
 
@@ -201,7 +219,8 @@ def extend_attention(
     to new tokens 0..i. The new tokens' K/V come from k, v, so they need not be in the pool yet.
     extend_lens[b] >= 1. plan: ExtendPlan.build(extend_lens as a list, D, device) (built here when
     not given, at the cost of a host sync). float32 uses IEEE matrix products; 16-bit accumulates in
-    float32."""
+    float32. Float8 buffers hold K / k_scale and V / v_scale (TokenToKVPool), which the kernel
+    dequantizes; other buffers ignore the scales (as store_kv)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert num_heads % num_kv_heads == 0
@@ -216,6 +235,8 @@ def extend_attention(
         return out
     block_m, block_n, num_warps, num_stages = extend_block_sizes(head_dim)
     assert plan.block_m == block_m and block_m % block_n == 0
+    if not is_fp8(k_buffer.dtype):
+        k_scale = v_scale = 1.0
     _extend_kernel[(num_tiles, num_heads)](
         q,
         k,
@@ -231,6 +252,8 @@ def extend_attention(
         plan.tile_req,
         plan.tile_start,
         sm_scale * LOG2E,
+        k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -250,6 +273,7 @@ def extend_attention(
         BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP16_DOT=is_fp8(k_buffer.dtype) and q.dtype != torch.float32,
         num_warps=num_warps,
         num_stages=num_stages,
     )

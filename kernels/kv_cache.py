@@ -1,10 +1,21 @@
-"""store_kv: write the K and V of this forward's new tokens into the paged pool."""
+"""store_kv: write the K and V of this forward's new tokens into the paged pool (quantized to float8,
+with saturation, when the pool stores float8: --kv-cache-dtype fp8_*)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from labkit.mem_cache.memory_pool import is_fp8
+
+
+@triton.jit
+def _quantize(x, scale, FP8_MAX: tl.constexpr):
+    """x / scale in float32, saturated to [-FP8_MAX, FP8_MAX] (quantize_kv's rule; the cast after it
+    rounds to nearest even)."""
+    y = x.to(tl.float32) / scale
+    return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
 
 
 @triton.jit
@@ -15,6 +26,8 @@ def _store_kv_kernel(
     V_buf,
     Loc,
     num_tokens,
+    k_scale,
+    v_scale,
     stride_kt,
     stride_vt,
     stride_kbs,
@@ -22,6 +35,7 @@ def _store_kv_kernel(
     ROW: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # 0: the pool is not float8 (a plain cast, scales unused)
 ):
     """Copies a [BLOCK_T tokens, BLOCK_R elements] tile of the flattened [T, H_kv * D] rows."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -32,6 +46,9 @@ def _store_kv_kernel(
     rows = offs_t.to(tl.int64)[:, None]
     k = tl.load(K + rows * stride_kt + offs_r[None, :], mask=mask)
     v = tl.load(V + rows * stride_vt + offs_r[None, :], mask=mask)
+    if FP8_MAX > 0:
+        k = _quantize(k, k_scale, FP8_MAX)
+        v = _quantize(v, v_scale, FP8_MAX)
     tl.store(K_buf + slots[:, None] * stride_kbs + offs_r[None, :], k.to(K_buf.dtype.element_ty), mask=mask)
     tl.store(V_buf + slots[:, None] * stride_vbs + offs_r[None, :], v.to(V_buf.dtype.element_ty), mask=mask)
 
@@ -42,7 +59,13 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def store_kv(
-    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """k_buffer[loc[t]] = k[t] and v_buffer[loc[t]] = v[t] for every new token t, cast to the buffer dtype.
 
@@ -50,12 +73,15 @@ def store_kv(
     contiguous); loc: [T] int32/int64 slot indices (any page size: a slot is one token's row, pages
     need not be contiguous); k, v: [T, H_kv, D], any token stride (e.g. views into a fused qkv
     output; copied first if a token's values are not contiguous). Slots repeated in loc (padding
-    tokens sent to the reserved slot 0) end up holding one of the values."""
+    tokens sent to the reserved slot 0) end up holding one of the values. A float8 buffer gets
+    k / k_scale and v / v_scale saturated to its finite range (labkit.mem_cache.memory_pool.quantize_kv;
+    equal to it on a GPU); other buffers ignore the scales."""
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     k, v = _rows_contiguous(k), _rows_contiguous(v)
     assert _rows_contiguous(k_buffer) is k_buffer and _rows_contiguous(v_buffer) is v_buffer
+    assert k_buffer.dtype == v_buffer.dtype
     row = num_heads * head_dim
     block_r = min(triton.next_power_of_2(row), 1024)
     block_t = max(1, min(triton.next_power_of_2(num_tokens), 4096 // block_r))
@@ -67,6 +93,8 @@ def store_kv(
         v_buffer,
         loc,
         num_tokens,
+        k_scale,
+        v_scale,
         k.stride(0),
         v.stride(0),
         k_buffer.stride(0),
@@ -74,5 +102,6 @@ def store_kv(
         ROW=row,
         BLOCK_T=block_t,
         BLOCK_R=block_r,
+        FP8_MAX=torch.finfo(k_buffer.dtype).max if is_fp8(k_buffer.dtype) else 0.0,
         num_warps=4,
     )

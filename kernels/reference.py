@@ -8,14 +8,22 @@ import torch.nn.functional as F
 
 from labkit.attention.reference import dense_attention
 from labkit.layers.moe.torch_path import fused_moe_torch
+from labkit.mem_cache.memory_pool import dequantize_kv, quantize_kv
 
 
 def reference_store_kv(
-    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """k_buffer[loc] = k, v_buffer[loc] = v (cast to the buffer dtype)."""
-    k_buffer[loc] = k.to(k_buffer.dtype)
-    v_buffer[loc] = v.to(v_buffer.dtype)
+    """k_buffer[loc] = k, v_buffer[loc] = v (cast to the buffer dtype; a float8 buffer gets k / k_scale
+    and v / v_scale, saturated: quantize_kv)."""
+    k_buffer[loc] = quantize_kv(k, k_scale, k_buffer.dtype)
+    v_buffer[loc] = quantize_kv(v, v_scale, v_buffer.dtype)
 
 
 def reference_decode_attention(
@@ -26,13 +34,18 @@ def reference_decode_attention(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q [B, H, D]; request b attends to the KV slots req_to_token[req_pool_indices[b], :seq_lens[b]].
+    """q [B, H, D]; request b attends to the KV slots req_to_token[req_pool_indices[b], :seq_lens[b]]
+    (a float8 pool's values dequantized with k_scale, v_scale into float32 first: dequantize_kv).
     Returns [B, H, D] in q's dtype."""
     out = torch.empty_like(q)
     for b, (r, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         slots = req_to_token[r, :n]
-        out[b] = dense_attention(q[b : b + 1], k_buffer[slots], v_buffer[slots], n - 1, sm_scale)[0].to(q.dtype)
+        ks = dequantize_kv(k_buffer[slots], k_scale, torch.float32)
+        vs = dequantize_kv(v_buffer[slots], v_scale, torch.float32)
+        out[b] = dense_attention(q[b : b + 1], ks, vs, n - 1, sm_scale)[0].to(q.dtype)
     return out
 
 
@@ -48,16 +61,19 @@ def reference_extend_attention(
     extend_lens: torch.Tensor,
     extend_start_loc: torch.Tensor,
     sm_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [T, H, D], k, v [T, H_kv, D]: the new tokens of each request, rows extend_start_loc[b] +
-    [0, extend_lens[b]). They attend to the prefix (pool slots req_to_token[r, :prefix_lens[b]]) and
-    causally to the request's new tokens. Returns [T, H, D] in q's dtype."""
+    [0, extend_lens[b]). They attend to the prefix (pool slots req_to_token[r, :prefix_lens[b]],
+    dequantized with k_scale, v_scale if the pool is float8) and causally to the request's new
+    tokens. Returns [T, H, D] in q's dtype."""
     out = torch.empty_like(q)
     for b, r in enumerate(req_pool_indices.tolist()):
         p, n, s = int(prefix_lens[b]), int(extend_lens[b]), int(extend_start_loc[b])
         slots = req_to_token[r, :p]
-        ks = torch.cat([k_buffer[slots].to(k.dtype), k[s : s + n]])
-        vs = torch.cat([v_buffer[slots].to(v.dtype), v[s : s + n]])
+        ks = torch.cat([dequantize_kv(k_buffer[slots], k_scale, torch.float32), k[s : s + n].float()])
+        vs = torch.cat([dequantize_kv(v_buffer[slots], v_scale, torch.float32), v[s : s + n].float()])
         out[s : s + n] = dense_attention(q[s : s + n], ks, vs, p, sm_scale).to(q.dtype)
     return out
 

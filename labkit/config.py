@@ -3,7 +3,10 @@ server's command line (server/server_args.py) is built from these fields, one op
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+from collections.abc import Iterable
+from dataclasses import Field, dataclass, field
+from typing import Any
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 HICACHE_WRITE_POLICIES = ("write_back", "write_through")
@@ -66,8 +69,8 @@ class EngineConfig:
     kv_cache_dtype: str = field(
         default="auto",
         metadata={
-            "help": "KV pool storage: auto (the model's dtype), fp8_e4m3 or fp8_e5m2 (half the bytes of bf16, "
-            "per-layer scales 1.0 unless the checkpoint has them)"
+            "help": "KV pool storage: auto (the model's dtype), fp8_e4m3 or fp8_e5m2 (half the bytes of bf16; "
+            "per-layer scales 1.0: the checkpoints labkit loads carry none)"
         },
     )
     max_running_requests: int = field(default=256, metadata={"help": "most requests decoding at once"})
@@ -227,6 +230,28 @@ class EngineConfig:
     enable_trace: bool = field(
         default=False, metadata={"help": "record station, step and tree events in a Tracer (labkit.trace)"}
     )
+
+
+_OPTION_TYPES = {"str": str, "int": int, "float": float}
+
+
+def add_field_options(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    fields: Iterable[Field[Any]],
+    choices: dict[str, list[str]],
+) -> None:
+    """One command-line option per dataclass field (`--page-size` for page_size), its help the field's
+    `help` metadata: the server's command line and the serving benchmark's engine options."""
+    for f in fields:
+        flag, help_text = "--" + f.name.replace("_", "-"), f.metadata["help"]
+        type_name = str(f.type).replace(" | None", "")
+        if type_name == "bool":
+            parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+        elif f.name in choices:
+            parser.add_argument(flag, default=f.default, help=help_text, choices=choices[f.name])
+        else:
+            kind = _OPTION_TYPES[type_name]
+            parser.add_argument(flag, type=kind, default=f.default, help=help_text, metavar=type_name.upper())
 
 
 def ranks_per_node(config: EngineConfig) -> int:

@@ -15,7 +15,7 @@ import yaml
 
 from labkit.attention import ATTENTION_BACKENDS
 from labkit.attention.base import LAZY_BACKENDS
-from labkit.config import HICACHE_WRITE_POLICIES, KV_CACHE_DTYPES, EngineConfig, check_parallel
+from labkit.config import HICACHE_WRITE_POLICIES, KV_CACHE_DTYPES, EngineConfig, add_field_options, check_parallel
 from labkit.constrained import grammar_backend_names
 from labkit.distributed.dp_controller import LOAD_BALANCE_POLICIES
 from labkit.scheduler.schedule_policy import POLICIES
@@ -111,9 +111,6 @@ def _choices() -> dict[str, list[str]]:
     }
 
 
-_TYPES = {"str": str, "int": int, "float": float}
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m labkit.server",
@@ -121,19 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of options (command line wins)")
-    choices = _choices()
-    for f in _options():
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata["help"]
-        type_name = str(f.type).replace(" | None", "")
-        if type_name == "bool":
-            parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
-        elif f.name in choices:
-            parser.add_argument(flag, default=f.default, help=help_text, choices=choices[f.name])
-        else:
-            parser.add_argument(
-                flag, type=_TYPES[type_name], default=f.default, help=help_text, metavar=type_name.upper()
-            )
+    add_field_options(parser, _options(), _choices())
     return parser
 
 

@@ -1,10 +1,12 @@
 """The serving benchmark client: datasets, metrics math, SSE streaming and timing against a mock server,
-the arrival schedule, the concurrency limit, and the engine backend and CLI on a tiny random-weight model."""
+the arrival schedule, the concurrency limit, conversations sent turn after turn, the prefix cache hit
+rate, and the engine backend and CLI on a tiny random-weight model."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import statistics
 
@@ -14,6 +16,7 @@ import pytest
 from labkit.bench import datasets, serving
 from labkit.bench.backends import HttpTarget, RequestOutput, arrival_times, first_model, run_engine, run_http
 from labkit.bench.datasets import BenchRequest
+from labkit.config import EngineConfig
 
 
 class WordTokenizer:
@@ -92,6 +95,21 @@ def test_metrics_match_hand_computed_values():
     assert serving.Stats.of_ms([]) == serving.Stats(0.0, 0.0, 0.0)
     table = serving.format_metrics(m, "t")
     assert "Failed requests:" in table and "199.00" in table and "75.00" in table
+    assert m.total_cached_tokens is None and m.cache_hit_rate is None  # nothing reported it
+    assert "Prefix cache hit rate:" in table and "n/a" in table
+
+
+def test_cache_hit_rate_is_cached_over_prompt_tokens_of_the_completed_requests_that_report_it():
+    outs = [
+        RequestOutput(True, prompt_len=100, output_len=1, cached_tokens=60),
+        RequestOutput(True, prompt_len=50, output_len=1, cached_tokens=0),
+        RequestOutput(True, prompt_len=70, output_len=1),  # a server that does not send the count
+        RequestOutput(False, error="boom", prompt_len=30, cached_tokens=30),
+    ]
+    m = serving.compute_metrics(outs, duration=1.0)
+    assert m.total_cached_tokens == 60 and m.cache_hit_rate == pytest.approx(60 / 150)
+    assert m.total_input_tokens == 220  # every completed request still counts towards throughput
+    assert "0.400" in serving.format_metrics(m, "t")
 
 
 # ---- HTTP: SSE streaming against a mock server ---------------------------------------------
@@ -126,7 +144,14 @@ def sse_app(chat: bool, usage: bool = True, seen: list | None = None, state: dic
                     data = data[7:]
                 yield data
             if usage:
-                final = {"choices": [], "usage": {"prompt_tokens": 99, "completion_tokens": body["max_tokens"]}}
+                final = {
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": 99,
+                        "completion_tokens": body["max_tokens"],
+                        "prompt_tokens_details": {"cached_tokens": 42},
+                    },
+                }
                 yield f"data: {json.dumps(final)}\n\n".encode()
             if state is not None:
                 state["now"] -= 1
@@ -152,7 +177,7 @@ def test_streaming_request_is_parsed_and_timed(chat):
     req = BenchRequest([{"role": "user", "content": "hi"}] if chat else [101, 102, 103], 3, 4)
     (out,), duration = run_mock(sse_app(chat, seen=seen), [req], chat=chat)
     assert out.success, out.error
-    assert out.text == "Hello world" and (out.prompt_len, out.output_len) == (99, 4)
+    assert out.text == "Hello world" and (out.prompt_len, out.output_len, out.cached_tokens) == (99, 4, 42)
     assert out.ttft >= GAP and len(out.itl) == 2 and all(gap >= GAP * 0.8 for gap in out.itl)
     assert out.latency >= out.ttft + sum(out.itl) and duration >= out.latency
     path, body = seen[0]
@@ -172,6 +197,7 @@ def test_without_usage_tokens_are_counted_and_prompt_forms_are_converted():
     req = BenchRequest([101, 102], 2, 4)
     (out,), _ = run_mock(sse_app(False, usage=False), [req])
     assert out.success and (out.prompt_len, out.output_len) == (2, 3)  # no tokenizer: one per piece
+    assert out.cached_tokens is None
     (out,), _ = run_mock(sse_app(False, usage=False), [req], tokenizer=WordTokenizer())
     assert out.output_len == 2  # "Hello world": two words
     target = HttpTarget("http://x", "m", True, WordTokenizer())
@@ -246,6 +272,24 @@ def test_http_respects_max_concurrency_and_arrival_times():
     assert all(o.start >= a for o, a in zip(outs, arrivals))
 
 
+def assert_turns_follow_their_replies(reqs: list[BenchRequest], outs: list[RequestOutput]) -> None:
+    """Each later turn was sent only after the previous turn of its conversation finished."""
+    start = {(r.conversation, r.turn): o.start for r, o in zip(reqs, outs)}
+    end = {(r.conversation, r.turn): o.start + o.latency for r, o in zip(reqs, outs)}
+    later = [key for key in start if key[1] > 0]
+    assert later and all(start[c, k] >= end[c, k - 1] for c, k in later)
+
+
+def test_http_sends_a_turn_only_after_the_reply_to_the_one_before():
+    state = {"now": 0, "peak": 0}
+    reqs = datasets.multiturn_random_requests(4, 3, 8, 2, 2, 3, vocab_size=300)
+    outs, duration = run_mock(sse_app(False, state=state), reqs)  # no concurrency limit
+    assert all(o.success for o in outs)
+    assert_turns_follow_their_replies(reqs, outs)
+    assert state["peak"] == 4  # every conversation in flight at once, one turn each
+    assert duration >= 3 * 3 * GAP  # three turns, one after the other
+
+
 # ---- the engine backend and the CLI, on a tiny random-weight model --------------------------
 @pytest.fixture(scope="module")
 def tiny_engine():
@@ -266,6 +310,69 @@ def test_engine_backend_times_every_token_within_limits(tiny_engine):
     outs, _ = run_engine(tiny_engine, reqs[:3], arrivals)
     assert all(o.success and o.start >= a for o, a in zip(outs, arrivals))
     assert not tiny_engine.scheduler.has_work() and not tiny_engine.results
+
+
+def test_engine_backend_sends_turns_in_order_and_reports_their_cache_hits(tiny_engine):
+    tiny_engine.flush_cache()
+    reqs = datasets.multiturn_random_requests(6, 3, 24, 4, 4, 3, tiny_engine.model_runner.vocab_size)
+    outs, duration = run_engine(tiny_engine, reqs, [0.0] * len(reqs))  # no concurrency limit
+    assert all(o.success for o in outs)
+    assert_turns_follow_their_replies(reqs, outs)
+    # the pool holds every history: each later turn finds the whole prompt of the one before cached
+    prompt = {(r.conversation, r.turn): r.prompt_len for r in reqs}
+    assert all(o.cached_tokens >= prompt[r.conversation, r.turn - 1] for r, o in zip(reqs, outs) if r.turn)
+    m = serving.compute_metrics(outs, duration)
+    assert m.total_cached_tokens == sum(o.cached_tokens for o in outs)
+    assert m.cache_hit_rate == m.total_cached_tokens / m.total_input_tokens >= 0.5
+    # a pool far smaller than the 6 histories (6 x 44 tokens) loses them between turns
+    from labkit import Engine
+
+    small = Engine(model_path="tiny-llama", load_format="dummy", max_total_tokens=140)
+    small_outs, small_duration = run_engine(small, reqs, [0.0] * len(reqs), max_concurrency=2)
+    assert all(o.success for o in small_outs)
+    assert_turns_follow_their_replies(reqs, small_outs)
+    small_rate = serving.compute_metrics(small_outs, small_duration).cache_hit_rate
+    assert small_rate is not None and 0.0 <= small_rate < m.cache_hit_rate
+
+
+def test_engine_options_are_engine_config_fields_with_their_help():
+    by_dest = {a.dest: a for a in serving.build_parser()._actions}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name != "enable_trace":  # a benchmark runs untraced
+            assert by_dest[f.name].help == f.metadata["help"], f.name
+    assert "enable_trace" not in by_dest
+    assert serving.engine_config(serving.parse_args([])) == EngineConfig()  # every default is the config's
+    hicache = [
+        "--enable-hierarchical-cache",
+        "--hicache-size",
+        "2.5",
+        "--hicache-write-policy",
+        "write_through",
+        "--hicache-storage-dir",
+        "/tmp/kv",
+        "--hicache-storage-block",
+        "128",
+        "--kv-cache-dtype",
+        "fp8_e4m3",
+        "--mem-fraction-static",
+        "0.8",
+        "--kv-memory-gb",
+        "0.5",
+    ]
+    config = serving.engine_config(serving.parse_args(hicache))
+    assert config == EngineConfig(
+        enable_hierarchical_cache=True,
+        hicache_size=2.5,
+        hicache_write_policy="write_through",
+        hicache_storage_dir="/tmp/kv",
+        hicache_storage_block=128,
+        kv_cache_dtype="fp8_e4m3",
+        mem_fraction_static=0.8,
+        kv_memory_gb=0.5,
+    )
+    for bad in (["--hicache-write-policy", "write_sometimes"], ["--kv-cache-dtype", "int3"], ["--tp-size", "x"]):
+        with pytest.raises(SystemExit):
+            serving.parse_args(bad)
 
 
 def test_cli_engine_backend_appends_json_lines(tmp_path, capsys):
@@ -305,9 +412,17 @@ def test_cli_engine_backend_appends_json_lines(tmp_path, capsys):
             "100",
         ]
     )
-    first, second = [json.loads(line) for line in path.read_text().splitlines()]
+    mt = ["--mt-num-conversations", "3", "--mt-turns", "2", "--mt-system-len", "16", "--mt-user-len", "4"]
+    serving.main(common + ["--dataset", "multiturn-random", *mt, "--mt-assistant-len", "4", "--mt-output-len", "2"])
+    first, second, third = [json.loads(line) for line in path.read_text().splitlines()]
     assert first["metrics"]["completed"] == 4 and first["metrics"]["total_output_tokens"] == 12
     assert first["args"]["backend"] == "engine" and first["args"]["request_rate"] == "inf"
     assert second["metrics"]["completed"] == 4 and second["metrics"]["total_input_tokens"] == 48
+    m = third["metrics"]
+    assert (m["completed"], m["total_input_tokens"], m["total_output_tokens"]) == (6, 3 * 20 + 3 * 28, 12)
+    # the second turns find the first turns' prompts cached (the warm-up's cache was flushed)
+    assert 3 * 20 <= m["total_cached_tokens"] < m["total_input_tokens"]
+    assert m["cache_hit_rate"] == m["total_cached_tokens"] / m["total_input_tokens"]
     printed = capsys.readouterr().out
-    assert printed.count("Mean TTFT (ms):") == 2 and "engine / shared-prefix / rate 100.0" in printed
+    assert printed.count("Mean TTFT (ms):") == 3 and "engine / shared-prefix / rate 100.0" in printed
+    assert printed.count("Prefix cache hit rate:") == 3

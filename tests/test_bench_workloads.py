@@ -1,11 +1,19 @@
-"""Workload helpers: static-batching emulation, sequential arrival, policy runs and orders."""
+"""Workload helpers: static-batching emulation, sequential arrival, policy runs and orders; the random
+multi-turn conversations of the serving benchmark and the turn each request waits for."""
 
 from __future__ import annotations
 
 import pytest
 
 from labkit import Engine
-from labkit.bench.datasets import Request, random_workload, shared_prefix_workload
+from labkit.bench.datasets import (
+    BenchRequest,
+    Request,
+    multiturn_random_requests,
+    previous_turns,
+    random_workload,
+    shared_prefix_workload,
+)
 from labkit.bench.policies import bench_policies, policy_orders, policy_summary, queue_table, run_policy
 from labkit.bench.runner import latency_table, run_requests, token_times
 
@@ -116,3 +124,49 @@ def test_queue_table_shows_what_each_policy_sorts_by_and_leaves_the_queue_empty(
     assert list(table["max_new_tokens"]) == [r.sampling_params["max_new_tokens"] for r in reqs[1:]]
     assert list(table["group"]) == [r.group for r in reqs[1:]]
     assert not engine.scheduler.has_work() and not engine.results
+
+
+def test_multiturn_random_turns_extend_the_last_prompt_by_reply_and_user_tokens():
+    reqs = multiturn_random_requests(5, 3, 20, 4, 6, 7, vocab_size=300, seed=1)
+    assert len(reqs) == 15 and all(r.output_len == 7 and r.ignore_eos and not r.is_chat for r in reqs)
+    assert [(r.turn, r.conversation) for r in reqs] == [(k, c) for k in range(3) for c in range(5)]  # by round
+    assert all(r.prompt_len == len(r.prompt) == 20 + 4 * (r.turn + 1) + 6 * r.turn for r in reqs)
+    assert all(100 <= t < 300 for r in reqs for t in r.prompt)
+    by_turn = {(r.conversation, r.turn): r.prompt for r in reqs}
+    for (c, k), prompt in by_turn.items():
+        if k:
+            assert prompt[: len(by_turn[c, k - 1])] == by_turn[c, k - 1]  # the previous turn's whole prompt
+    systems = {tuple(by_turn[c, 0][:20]) for c in range(5)}
+    assert len(systems) == 5  # a system prompt per conversation, shared with no other
+    replies = {tuple(by_turn[c, 2][24:30]) for c in range(5)} | {tuple(by_turn[c, 2][34:40]) for c in range(5)}
+    assert len(replies) == 10  # every recorded reply is its own
+    assert reqs == multiturn_random_requests(5, 3, 20, 4, 6, 7, vocab_size=300, seed=1)
+    assert reqs != multiturn_random_requests(5, 3, 20, 4, 6, 7, vocab_size=300, seed=2)
+    no_system = multiturn_random_requests(2, 2, 0, 3, 0, 1, vocab_size=300)
+    assert [r.prompt_len for r in no_system] == [3, 3, 6, 6]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(num_conversations=0),
+        dict(turns=0),
+        dict(user_len=0),
+        dict(output_len=0),
+        dict(system_len=-1),
+        dict(assistant_len=-1),
+    ],
+)
+def test_multiturn_random_refuses_empty_or_negative_sizes(bad):
+    sizes = dict(num_conversations=2, turns=2, system_len=8, user_len=4, assistant_len=4, output_len=2)
+    with pytest.raises(ValueError, match="multi-turn"):
+        multiturn_random_requests(**(sizes | bad), vocab_size=300)
+
+
+def test_each_turn_waits_for_the_latest_earlier_previous_turn_of_its_conversation():
+    reqs = multiturn_random_requests(3, 3, 4, 2, 2, 1, vocab_size=300)
+    assert previous_turns(reqs) == [None, None, None, 0, 1, 2, 3, 4, 5]
+    plain = BenchRequest([101], 1, 1)
+    assert previous_turns([plain, plain]) == [None, None]  # not part of a conversation: no wait
+    first, second = reqs[0], reqs[3]
+    assert previous_turns([second, first, first, second]) == [None, None, None, 2]  # never a later one

@@ -113,3 +113,32 @@ def test_bad_tier_options_are_clear_errors_at_start(options, message, tmp_path):
         options = options | {"hicache_storage_dir": str(tmp_path)}
     with pytest.raises(ValueError, match=message):
         Engine(max_total_tokens=512, enable_hierarchical_cache=True, **options)
+
+
+def id_conversations(engine: Engine, rounds: int = 2) -> list[tuple[list[tuple[float, int]], int]]:
+    """Token-id prompts (vocabularies of 256 and up): five 192-token system prompts, visited round after round."""
+    out = []
+    for r in range(rounds):
+        for c in range(5):
+            ids = [3 + (37 * c + 11 * i) % 200 for i in range(192)] + [210 + r, 220 + c]
+            res = engine.generate(input_ids=ids, sampling_params=GREEDY | {"ignore_eos": True, "return_logprob": True})
+            meta = res["meta_info"]
+            out.append((meta["output_token_logprobs"], meta["cached_tokens"]))
+    return out
+
+
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_loaded_back_kv_is_the_kv_that_was_evicted(device, kv_cache_dtype):
+    """A small pool with the host tier against a pool that never evicts: the same prefix hits, so the
+    same kernels over the same KV, hence bit-equal tokens and logprobs (on a GPU too, where recomputing
+    a prefix instead would round differently)."""
+    options = dict(model_path="tiny-qwen3", load_format="dummy", device=device, kv_cache_dtype=kv_cache_dtype)
+    roomy = id_conversations(Engine(max_total_tokens=8192, **options))
+    tiered = Engine(max_total_tokens=512, enable_hierarchical_cache=True, **options)
+    assert id_conversations(tiered) == roomy
+    assert tiered.tree_cache.stats.loaded_back >= 4 * 192
+    assert_idle(tiered)

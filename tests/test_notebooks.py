@@ -60,6 +60,7 @@ def test_the_teaching_notebooks_are_there():
         "13_packed_batches",
         "14_overlap_scheduling",
         "15_incremental_detokenization",
+        "16_memory_hierarchy",
     } <= names
 
 

@@ -6,7 +6,7 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -54,7 +54,12 @@ class AttentionBackend(ABC):
     - Results must not depend on how requests are grouped into a batch beyond floating-point rounding,
       and must work for any page_size (slots come from req_to_token; no contiguity is assumed).
     - DECODE has exactly one token per request; EXTEND and MIXED any number >= 1 per request.
+    - With `supports_fp8_kv_cache`, a float8 pool (--kv-cache-dtype fp8_*) works too: K, V are
+      stored through the pool's quantization (divided by its per-layer k_scale / v_scale, saturated)
+      and read back dequantized (times the scale). Without it the ModelRunner refuses such a pool.
     """
+
+    supports_fp8_kv_cache: ClassVar[bool] = False
 
     def __init__(self, config: AttentionBackendConfig) -> None:
         self.config = config

@@ -10,7 +10,9 @@ and MIXED (so the new K/V must be in the pool first: save_kv_cache=False is not 
 
 Planning writes the schedule into a page-locked host buffer that the device copies from later in
 stream order. With overlap scheduling the next forward is planned while the current one may not have
-started, so two sets of wrappers take turns. No CUDA graphs yet: decode runs eagerly here."""
+started, so two sets of wrappers take turns. No CUDA graphs yet: decode runs eagerly here. No float8
+KV pool either (--kv-cache-dtype fp8_*: the ModelRunner refuses it at start; FlashInfer's prefill
+with bf16 queries over a float8 pool is untested here)."""
 
 from __future__ import annotations
 

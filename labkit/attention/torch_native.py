@@ -3,7 +3,8 @@
 Decode (and the one-token requests of a mixed batch) is one batched SDPA over a padded
 [n, max_len, H_kv, D] gather of each request's KV with a length mask. Multi-token extends run one SDPA
 per request (prefix from the pool + the new tokens, causal with the prefix offset). All index work
-happens once per forward in `init_forward_metadata` and is reused by every layer."""
+happens once per forward in `init_forward_metadata` and is reused by every layer. A float8 pool
+(--kv-cache-dtype fp8_*) is dequantized as it is gathered: cast, times the layer's scale."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from labkit.attention.base import (
     AttentionLayerSpec,
     register_attention_backend,
 )
+from labkit.mem_cache.memory_pool import dequantize_kv
 
 if TYPE_CHECKING:
     from labkit.model_executor.forward_batch import ForwardBatch
@@ -71,6 +73,8 @@ MIN_GROUP_SIZE = 8
 @register_attention_backend("torch_native")
 class TorchNativeAttnBackend(AttentionBackend):
     """Reference backend for any device. See AttentionBackend for the contract."""
+
+    supports_fp8_kv_cache = True
 
     def __init__(self, config: AttentionBackendConfig) -> None:
         super().__init__(config)
@@ -163,13 +167,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         md = self.metadata
         assert md is not None
         out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
-        pool = forward_batch.token_to_kv_pool
-        k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        pool, lid = forward_batch.token_to_kv_pool, layer.layer_id
+        k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
         for r in md.extends:
             ki, vi = k[r.start : r.end], v[r.start : r.end]
             if r.prefix_indices is not None:
-                ki = torch.cat([_gather(k_buf, r.prefix_indices).to(q.dtype), ki])
-                vi = torch.cat([_gather(v_buf, r.prefix_indices).to(q.dtype), vi])
+                ki = torch.cat([dequantize_kv(_gather(k_buf, r.prefix_indices), pool.k_scale[lid], q.dtype), ki])
+                vi = torch.cat([dequantize_kv(_gather(v_buf, r.prefix_indices), pool.v_scale[lid], q.dtype), vi])
             # [1, H, len, D]: 4-D inputs take the flash kernel on CPU (3-D falls back to the math
             # path, ~2.7x slower); enable_gqa maps query heads to KV heads without copying KV.
             o = F.scaled_dot_product_attention(
@@ -207,11 +211,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         g: _PaddedGroup,
     ) -> torch.Tensor:
-        pool = forward_batch.token_to_kv_pool
+        pool, lid = forward_batch.token_to_kv_pool, layer.layer_id
         n = q.shape[0]
-        # Prefix from the pool, this forward's token from the arguments (so save_kv_cache=False works).
-        keys = _gather(pool.get_key_buffer(layer.layer_id), g.kv_indices).to(q.dtype)  # [n, L, H_kv, D]
-        vals = _gather(pool.get_value_buffer(layer.layer_id), g.kv_indices).to(q.dtype)
+        # Prefix from the pool ([n, L, H_kv, D]), this forward's token from the arguments (so
+        # save_kv_cache=False works).
+        keys = dequantize_kv(_gather(pool.get_key_buffer(lid), g.kv_indices), pool.k_scale[lid], q.dtype)
+        vals = dequantize_kv(_gather(pool.get_value_buffer(lid), g.kv_indices), pool.v_scale[lid], q.dtype)
         keys[g.batch, g.new_pos] = k
         vals[g.batch, g.new_pos] = v
         # GQA without copying KV: the G query heads sharing a KV head act as G "query rows".

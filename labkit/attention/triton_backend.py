@@ -5,6 +5,7 @@ reuses (split counts and the stage-1 workspace for decode; per-request prefix/ex
 offsets and the tile plan for extend and mixed batches); each layer then stores its new K/V with
 `store_kv` and runs `decode_attention` (DECODE) or `extend_attention` (EXTEND, MIXED: one-token
 requests are extends of length 1). Without CUDA the kernels run in Triton's interpreter (slow).
+A float8 pool's per-layer scales go to the kernels as arguments (they quantize and dequantize).
 
 Decode can run inside a CUDA graph (see the hooks in AttentionBackend): the split counts and the
 stage-1 workspace then live in buffers allocated once for the largest captured batch, the grid's
@@ -64,6 +65,8 @@ class _GraphBuffers:
 @register_attention_backend("triton")
 class TritonAttnBackend(AttentionBackend):
     """Triton kernels on CUDA (interpreter elsewhere). See AttentionBackend for the contract."""
+
+    supports_fp8_kv_cache = True
 
     def __init__(self, config: AttentionBackendConfig) -> None:
         super().__init__(config)
@@ -155,9 +158,9 @@ class TritonAttnBackend(AttentionBackend):
         assert md is not None, "init_forward_metadata was not called for this decode batch"
         if not save_kv_cache:  # the new tokens are not in the pool: read them from k, v
             return self._extend(q, k, v, layer, forward_batch, self._decode_as_extend(forward_batch))
-        fb, pool = forward_batch, forward_batch.token_to_kv_pool
-        k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+        fb, pool, lid = forward_batch, forward_batch.token_to_kv_pool, layer.layer_id
+        k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
+        store_kv(k_buf, v_buf, fb.out_cache_loc, k, v, pool.k_scale[lid], pool.v_scale[lid])
         out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
         decode_attention(
             q,
@@ -172,6 +175,8 @@ class TritonAttnBackend(AttentionBackend):
             max_kv_splits=md.max_kv_splits,
             mid_o=md.mid_o,
             mid_lse=md.mid_lse,
+            k_scale=pool.k_scale[lid],
+            v_scale=pool.v_scale[lid],
         )
         return out
 
@@ -186,13 +191,15 @@ class TritonAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert self.extend is not None, "init_forward_metadata was not called for this extend batch"
         if save_kv_cache:
-            pool = forward_batch.token_to_kv_pool
+            pool, lid = forward_batch.token_to_kv_pool, layer.layer_id
             store_kv(
-                pool.get_key_buffer(layer.layer_id),
-                pool.get_value_buffer(layer.layer_id),
+                pool.get_key_buffer(lid),
+                pool.get_value_buffer(lid),
                 forward_batch.out_cache_loc,
                 k,
                 v,
+                pool.k_scale[lid],
+                pool.v_scale[lid],
             )
         return self._extend(q, k, v, layer, forward_batch, self.extend)
 
@@ -205,14 +212,14 @@ class TritonAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         md: _ExtendMetadata,
     ) -> torch.Tensor:
-        fb, pool = forward_batch, forward_batch.token_to_kv_pool
+        fb, pool, lid = forward_batch, forward_batch.token_to_kv_pool, layer.layer_id
         out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
         extend_attention(
             q,
             k,
             v,
-            pool.get_key_buffer(layer.layer_id),
-            pool.get_value_buffer(layer.layer_id),
+            pool.get_key_buffer(lid),
+            pool.get_value_buffer(lid),
             fb.req_to_token_pool.req_to_token,
             fb.req_pool_indices,
             md.prefix_lens,
@@ -221,5 +228,7 @@ class TritonAttnBackend(AttentionBackend):
             layer.scaling,
             out=out.view(q.shape),
             plan=md.plan,
+            k_scale=pool.k_scale[lid],
+            v_scale=pool.v_scale[lid],
         )
         return out

@@ -1,10 +1,13 @@
 """Ways to run a benchmark's requests, each on the same arrival schedule and concurrency limit:
 an OpenAI-compatible server over streaming HTTP (completions or chat), or labkit's in-process Engine.
-Each returns one `RequestOutput` per request, in request order, and the run's duration."""
+Each returns one `RequestOutput` per request, in request order, and the run's duration. Both send a
+conversation's turn only after its previous turn finished (`datasets.previous_turns`), so a turn never
+starts before its arrival time nor before the reply it follows."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import math
@@ -16,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from labkit.bench.datasets import BenchRequest, chat_prompt_ids
+from labkit.bench.datasets import BenchRequest, chat_prompt_ids, previous_turns
 
 
 @dataclass
@@ -25,6 +28,7 @@ class RequestOutput:
     error: str = ""
     prompt_len: int = 0
     output_len: int = 0  # completion tokens
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache; None: not reported
     start: float = 0.0  # when it was sent, seconds after the run began
     ttft: float = 0.0  # seconds to the first non-empty piece of text (engine: first token)
     itl: list[float] = field(default_factory=list)  # gaps between later chunks (engine: tokens)
@@ -109,7 +113,7 @@ async def send_request(client: httpx.AsyncClient, target: HttpTarget, req: Bench
     The body (for chat prompts: template and tokenizer) is built before the clock starts."""
     out = RequestOutput(prompt_len=req.prompt_len)
     pieces: list[str] = []
-    usage: dict[str, int] = {}
+    usage: dict[str, Any] = {}
     try:
         body = target.body(req)
         start = time.perf_counter()
@@ -146,6 +150,7 @@ async def send_request(client: httpx.AsyncClient, target: HttpTarget, req: Bench
         out.text = "".join(pieces)
         out.prompt_len = usage.get("prompt_tokens", req.prompt_len)
         out.output_len = usage.get("completion_tokens") or target.count_tokens(out.text, len(pieces))
+        out.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         out.success = True
     except Exception as e:  # noqa: BLE001 - one bad request must not end the benchmark
         out.error = f"{type(e).__name__}: {e}"
@@ -160,19 +165,26 @@ async def run_http(
     max_concurrency: int | None = None,
     on_done: Callable[[], None] | None = None,
 ) -> tuple[list[RequestOutput], float]:
-    """Send each request at its arrival offset, at most `max_concurrency` in flight."""
+    """Send each request at its arrival offset, once its previous turn finished (a conversation's turns
+    are a chain), at most `max_concurrency` in flight; a turn waiting for its reply takes no slot."""
+    _check_arrivals(requests, arrivals)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    previous = previous_turns(requests)
+    finished = [asyncio.Event() for _ in requests]
     t0 = time.perf_counter()
 
-    async def one(req: BenchRequest, at: float) -> RequestOutput:
+    async def one(i: int, at: float) -> RequestOutput:
         await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        if (p := previous[i]) is not None:
+            await finished[p].wait()
         async with gate:
-            out = await send_request(client, target, req, t0)
+            out = await send_request(client, target, requests[i], t0)
+        finished[i].set()
         if on_done is not None:
             on_done()
         return out
 
-    outs = await asyncio.gather(*(one(r, a) for r, a in zip(requests, arrivals)))
+    outs = await asyncio.gather(*(one(i, a) for i, a in enumerate(arrivals)))
     return list(outs), time.perf_counter() - t0
 
 
@@ -197,27 +209,42 @@ def run_engine(
     max_concurrency: int | None = None,
     on_done: Callable[[], None] | None = None,
 ) -> tuple[list[RequestOutput], float]:
-    """Drive `engine.step()` by hand. Between steps, admit every request whose arrival time has passed
-    while a concurrency slot is free; after each step, timestamp the tokens it produced."""
+    """Drive `engine.step()` by hand. Between steps, admit the requests that are ready (arrival time
+    passed, previous turn finished), in the order they became ready, while a concurrency slot is free;
+    after each step, timestamp the tokens it produced."""
+    _check_arrivals(requests, arrivals)
     outs = [RequestOutput(prompt_len=r.prompt_len) for r in requests]
+    previous = previous_turns(requests)
     limit = max_concurrency or len(requests)
+    ready: collections.deque[int] = collections.deque()  # request indices
+    held: dict[int, list[int]] = collections.defaultdict(list)  # index -> arrived turns waiting for it
+    done = [False] * len(requests)
     in_flight: dict[str, int] = {}  # rid -> request index
     last: dict[str, float] = {}  # rid -> perf_counter of its latest token
-    nxt = 0
+    nxt = 0  # the next request to arrive
     t0 = time.perf_counter()
-    while nxt < len(requests) or in_flight:
-        while nxt < len(requests) and t0 + arrivals[nxt] <= time.perf_counter() and len(in_flight) < limit:
-            out = outs[nxt]
-            out.start = time.perf_counter() - t0
-            try:
-                in_flight[engine_add(engine, requests[nxt])] = nxt
-            except ValueError as e:
-                out.error = f"ValueError: {e}"
-                if on_done is not None:
-                    on_done()
+
+    def finish(i: int) -> None:
+        done[i] = True
+        ready.extend(held.pop(i, []))
+        if on_done is not None:
+            on_done()
+
+    while nxt < len(requests) or ready or in_flight:
+        while nxt < len(requests) and t0 + arrivals[nxt] <= time.perf_counter():
+            p = previous[nxt]
+            (ready if p is None or done[p] else held[p]).append(nxt)
             nxt += 1
+        while ready and len(in_flight) < limit:
+            i = ready.popleft()
+            outs[i].start = time.perf_counter() - t0
+            try:
+                in_flight[engine_add(engine, requests[i])] = i
+            except ValueError as e:
+                outs[i].error = f"ValueError: {e}"
+                finish(i)
         if not in_flight:
-            if nxt < len(requests):
+            if nxt < len(requests):  # nothing ready either: every later request waits for an arrival
                 time.sleep(max(0.0, t0 + arrivals[nxt] - time.perf_counter()))
             continue
         step = engine.step()
@@ -230,17 +257,23 @@ def run_engine(
                 out.ttft = now - t0 - out.start
             last[rid] = now
         for rid in step.finished:
-            out = outs[in_flight.pop(rid)]
+            i = in_flight.pop(rid)
+            out = outs[i]
             result = engine.results.pop(rid)
             meta = result["meta_info"]
             out.latency = now - t0 - out.start
             out.prompt_len, out.output_len = meta["prompt_tokens"], meta["completion_tokens"]
+            out.cached_tokens = meta["cached_tokens"]
             out.text = result["text"] or ""
             out.success = meta["finish_reason"]["type"] != "abort"
             if not out.success:
                 out.error = f"aborted: {meta['finish_reason']}"
             if last.pop(rid, None) is None:
                 out.ttft = out.latency
-            if on_done is not None:
-                on_done()
+            finish(i)
     return outs, time.perf_counter() - t0
+
+
+def _check_arrivals(requests: list[BenchRequest], arrivals: list[float]) -> None:
+    if len(arrivals) != len(requests):
+        raise ValueError(f"{len(requests)} requests but {len(arrivals)} arrival times")

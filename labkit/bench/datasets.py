@@ -3,13 +3,13 @@
 Each kind of prompt is generated once, then shaped for one of two consumers:
 
 - `BenchRequest` lists for the serving benchmark (labkit.bench.serving): `random_requests`,
-  `shared_prefix_requests`, `multiturn_requests`;
+  `shared_prefix_requests`, `multiturn_requests`, `multiturn_random_requests`;
 - `Request` lists for playing through an Engine step by step (labkit.bench.runner, the notebooks):
   `random_workload`, `shared_prefix_workload`, `chat_requests`, each with an rid, sampling
   parameters and an arrival step.
 
-Random and shared-prefix prompts are token ids with exact lengths (EOS ignored, so the output length
-is the workload's, not the model's choice); chat and multi-turn prompts are messages."""
+Random, shared-prefix and random multi-turn prompts are token ids with exact lengths (EOS ignored, so
+the output length is the workload's, not the model's choice); chat and multi-turn prompts are messages."""
 
 from __future__ import annotations
 
@@ -35,10 +35,27 @@ class BenchRequest:
     prompt_len: int  # tokens (for messages: after the chat template)
     output_len: int  # max_tokens
     ignore_eos: bool = True
+    conversation: int | None = None  # a chat's turns: each is sent only once its previous turn finished
+    turn: int = 0  # 0-based, within its conversation
 
     @property
     def is_chat(self) -> bool:
         return bool(self.prompt) and isinstance(self.prompt[0], dict)
+
+
+def previous_turns(requests: list[BenchRequest]) -> list[int | None]:
+    """Per request, the index of the one it must wait for: the latest earlier request of the same
+    conversation's previous turn (None: none, or not part of a conversation). A real chat client sends
+    its next message only after the reply to the last one arrived; both benchmark backends do the same."""
+    latest: dict[tuple[int, int], int] = {}  # (conversation, turn) -> latest index
+    out: list[int | None] = []
+    for i, r in enumerate(requests):
+        if r.conversation is None:
+            out.append(None)
+            continue
+        out.append(latest.get((r.conversation, r.turn - 1)))
+        latest[r.conversation, r.turn] = i
+    return out
 
 
 def random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
@@ -125,6 +142,40 @@ def multiturn_requests(
             history = rounds[k][-1] + [{"role": "assistant", "content": turn["assistant"]}]
     chats = [m for r in rounds for m in r][:num_prompts]
     return [BenchRequest(m, len(chat_prompt_ids(tokenizer, m)), max_tokens, ignore_eos=False) for m in chats]
+
+
+def multiturn_random_requests(
+    num_conversations: int,
+    turns: int,
+    system_len: int,
+    user_len: int,
+    assistant_len: int,
+    output_len: int,
+    vocab_size: int,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """C conversations of T turns in random token ids. Turn k's prompt is the conversation's system
+    prompt, then its user messages 1..k, each message before k followed by that turn's assistant
+    reply as the dataset records it (fixed random ids, not the model's output, as the chat file's
+    replies), so turn k+1's prompt starts with turn k's. Ordered round by round (every conversation's
+    first turn, then every second turn, ...): with enough conversations, the ones between two turns
+    of a conversation push its history out of a small KV pool."""
+    lengths = {"num_conversations": num_conversations, "turns": turns, "user_len": user_len, "output_len": output_len}
+    for name, value in lengths.items():
+        if value < 1:
+            raise ValueError(f"multi-turn {name} must be >= 1, got {value}")
+    if system_len < 0 or assistant_len < 0:
+        raise ValueError(f"multi-turn system and assistant lengths must be >= 0, got {system_len}, {assistant_len}")
+    rng = random.Random(seed)
+    rounds: list[list[BenchRequest]] = [[] for _ in range(turns)]
+    for c in range(num_conversations):
+        ids = random_ids(rng, system_len, vocab_size)
+        for k in range(turns):
+            if k:
+                ids = ids + random_ids(rng, assistant_len, vocab_size)  # the reply to turn k - 1
+            ids = ids + random_ids(rng, user_len, vocab_size)
+            rounds[k].append(BenchRequest(ids, len(ids), output_len, conversation=c, turn=k))
+    return [r for this_round in rounds for r in this_round]
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[Message]) -> list[int]:

@@ -19,10 +19,11 @@ weights of a data/configs shape (default qwen3-0.6b) in bfloat16. In the same ru
 - batch-1 decode time per output token for --batch1-models, in each of --batch1-variants (CUDA
   graphs, graphs + torch.compile, eager).
 
---compare-overlap runs labkit a second time with overlap scheduling toggled; --enable-torch-compile
-compiles labkit's decode forward (up to --torch-compile-max-bs); --kernel-profile runs labkit's
-workload once more under torch.profiler and prints device time per kernel group (matmul, decode and
-extend attention, norms, ...) over the whole run.
+--kv-cache-dtype fp8_e4m3 / fp8_e5m2 gives labkit a float8 KV pool (the roofline then counts one
+byte per K/V value). --compare-overlap runs labkit a second time with overlap scheduling toggled;
+--enable-torch-compile compiles labkit's decode forward (up to --torch-compile-max-bs);
+--kernel-profile runs labkit's workload once more under torch.profiler and prints device time per
+kernel group (matmul, decode and extend attention, norms, ...) over the whole run.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 from labkit import Engine
 from labkit.bench.moe_roofline import expert_share
 from labkit.bench.offline import left_pad, make_requests
+from labkit.config import KV_CACHE_DTYPES
 from labkit.model_loader.loader import CONFIGS_DIR
 
 
@@ -121,9 +123,9 @@ def instrument(engine: Engine, profile: Profile):
         current["events"] = (e0, e1)
         return out
 
-    def timed_sample(logits, reqs, fb):
+    def timed_sample(logits, reqs, fb, vocab_mask=None):
         t0 = time.perf_counter()
-        out = sample(logits, reqs, fb)
+        out = sample(logits, reqs, fb, vocab_mask)
         e2 = torch.cuda.Event(enable_timing=True)
         e2.record()
         stats = current["stats"]
@@ -164,6 +166,7 @@ def build_engine(model: str, args, **overrides) -> Engine:
         enable_torch_compile=args.enable_torch_compile,
         torch_compile_max_bs=args.torch_compile_max_bs,
         chunked_prefill_size=args.chunked_prefill_size,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     return Engine(**{**options, **overrides})
 
@@ -457,6 +460,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--kv-memory-gb", type=float, default=40.0)
+    ap.add_argument(
+        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="labkit's KV pool storage (as the server's)"
+    )
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--cuda-graph-max-bs", type=int, default=256)
     ap.add_argument("--chunked-prefill-size", type=int, default=None, help="default: the engine's")

@@ -1,15 +1,20 @@
 """Online serving benchmark: TTFT, TPOT, ITL, end-to-end latency and throughput under a request load.
 
     python -m labkit.bench.serving [--backend openai|openai-chat|engine] [--base-url http://127.0.0.1:30000]
-        [--dataset random|shared-prefix|multiturn] [--num-prompts 100] [--request-rate inf]
+        [--dataset random|shared-prefix|multiturn|multiturn-random] [--num-prompts 100] [--request-rate inf]
         [--max-concurrency N] [--output-file results.jsonl] ...
 
 openai and openai-chat stream from any OpenAI-compatible server (/v1/completions, /v1/chat/completions);
 engine runs the same requests through labkit's in-process Engine, stepped by hand, as a baseline with no
-server in between. Arrivals are a seeded Poisson process (--request-rate; inf sends all at once), with at
-most --max-concurrency requests in flight. Random and shared-prefix prompts are token ids with exact
-lengths and EOS ignored; multiturn prompts are chat messages from data/multiturn_chat.json, capped by
---multiturn-max-tokens. --output-file appends one JSON object (args, metrics, errors) per run as a line."""
+server in between (it takes every EngineConfig option, the hierarchical cache's included). Arrivals are a
+seeded Poisson process (--request-rate; inf sends all at once), with at most --max-concurrency requests in
+flight. Random, shared-prefix and multiturn-random prompts are token ids with exact lengths and EOS
+ignored; multiturn prompts are chat messages from data/multiturn_chat.json, capped by
+--multiturn-max-tokens. multiturn-random is --mt-num-conversations chats of --mt-turns turns, each turn
+sent only once the previous turn of its chat finished, all chats concurrent up to --max-concurrency.
+The prefix cache hit rate is cached prompt tokens / prompt tokens (HTTP: the server's
+usage.prompt_tokens_details.cached_tokens). --output-file appends one JSON object (args, metrics,
+errors) per run as a line."""
 
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from tqdm import tqdm
 
 from labkit.bench import datasets
 from labkit.bench.backends import HttpTarget, RequestOutput, arrival_times, first_model, run_engine, run_http
-from labkit.config import EngineConfig
+from labkit.config import HICACHE_WRITE_POLICIES, KV_CACHE_DTYPES, EngineConfig, add_field_options
 from labkit.scheduler.schedule_policy import POLICIES
 
 
@@ -55,6 +60,8 @@ class BenchMetrics:
     duration_s: float
     total_input_tokens: int  # of completed requests
     total_output_tokens: int
+    total_cached_tokens: int | None  # prompt tokens served from the prefix cache; None: not reported
+    cache_hit_rate: float | None  # cached / prompt tokens, of the completed requests that report it
     request_throughput: float  # completed requests / s
     input_throughput: float  # tokens / s
     output_throughput: float
@@ -69,12 +76,17 @@ def compute_metrics(outputs: list[RequestOutput], duration: float) -> BenchMetri
     done = [o for o in outputs if o.success]
     n_in = sum(o.prompt_len for o in done)
     n_out = sum(o.output_len for o in done)
+    reported = [o for o in done if o.cached_tokens is not None]
+    n_cached = sum(o.cached_tokens or 0 for o in reported) if reported else None
+    n_in_reported = sum(o.prompt_len for o in reported)
     return BenchMetrics(
         completed=len(done),
         failed=len(outputs) - len(done),
         duration_s=duration,
         total_input_tokens=n_in,
         total_output_tokens=n_out,
+        total_cached_tokens=n_cached,
+        cache_hit_rate=n_cached / n_in_reported if n_cached is not None and n_in_reported else None,
         request_throughput=len(done) / duration,
         input_throughput=n_in / duration,
         output_throughput=n_out / duration,
@@ -93,6 +105,8 @@ def format_metrics(m: BenchMetrics, title: str) -> str:
         ("Duration (s)", f"{m.duration_s:.2f}"),
         ("Total input tokens", m.total_input_tokens),
         ("Total output tokens", m.total_output_tokens),
+        ("Total cached tokens", "n/a" if m.total_cached_tokens is None else m.total_cached_tokens),
+        ("Prefix cache hit rate", "n/a" if m.cache_hit_rate is None else f"{m.cache_hit_rate:.3f}"),
         ("Request throughput (req/s)", f"{m.request_throughput:.2f}"),
         ("Input token throughput (tok/s)", f"{m.input_throughput:.2f}"),
         ("Output token throughput (tok/s)", f"{m.output_throughput:.2f}"),
@@ -123,6 +137,17 @@ def build_requests(args: argparse.Namespace, tokenizer: Any, vocab_size: int) ->
             vocab_size,
             args.seed,
         )
+    if args.dataset == "multiturn-random":
+        return datasets.multiturn_random_requests(
+            args.mt_num_conversations,
+            args.mt_turns,
+            args.mt_system_len,
+            args.mt_user_len,
+            args.mt_assistant_len,
+            args.mt_output_len,
+            vocab_size,
+            args.seed,
+        )
     return datasets.multiturn_requests(tokenizer, args.multiturn_max_tokens, args.num_prompts, args.multiturn_file)
 
 
@@ -130,15 +155,17 @@ def progress(args: argparse.Namespace, total: int) -> tqdm:
     return tqdm(total=total, disable=args.disable_tqdm, desc="requests")
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine backend's config: the EngineConfig fields parse_args adds under their own names."""
+    return EngineConfig(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    )
+
+
 def bench_engine(args: argparse.Namespace) -> tuple[list[RequestOutput], float]:
     from labkit import Engine
 
-    # the engine options are the EngineConfig fields parse_args adds under their own names
-    engine = Engine(
-        EngineConfig(
-            **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
-        )
-    )
+    engine = Engine(engine_config(args))
     requests = build_requests(args, engine.tokenizer, engine.model_runner.vocab_size)
     if args.warmup_requests:
         warm, _ = run_engine(engine, requests[:1] * args.warmup_requests, [0.0] * args.warmup_requests)
@@ -192,7 +219,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     """The docstring as written, and every option's default."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
     add = ap.add_argument
     add(
@@ -210,8 +237,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "None: the embedded SmolLM2's. The engine backend uses the engine's",
     )
     add("--flush-cache", action="store_true", help="POST /flush_cache after the warm-up (HTTP backends)")
-    add("--dataset", choices=["random", "shared-prefix", "multiturn"], default="random", help="workload")
-    add("--num-prompts", type=int, default=100, help="random: requests; multiturn: at most this many")
+    add(
+        "--dataset",
+        choices=["random", "shared-prefix", "multiturn", "multiturn-random"],
+        default="random",
+        help="workload",
+    )
+    add(
+        "--num-prompts",
+        type=int,
+        default=100,
+        help="random: requests; multiturn: at most this many (not used by shared-prefix, multiturn-random)",
+    )
     add("--random-input-len", type=int, default=256, help="prompt tokens")
     add("--random-output-len", type=int, default=64, help="output tokens (EOS ignored)")
     add("--random-range-ratio", type=float, default=1.0, help="lengths uniform in [ratio*len, len]; 1: exact")
@@ -222,36 +259,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--gsp-output-len", type=int, default=64, help="shared-prefix: output tokens (EOS ignored)")
     add("--multiturn-file", default=str(datasets.MULTITURN_FILE), help="multiturn conversations")
     add("--multiturn-max-tokens", type=int, default=64, help="multiturn: max_tokens cap (EOS honoured)")
+    add("--mt-num-conversations", type=int, default=16, help="multiturn-random: conversations")
+    add("--mt-turns", type=int, default=4, help="multiturn-random: user turns per conversation")
+    add("--mt-system-len", type=int, default=512, help="multiturn-random: system prompt tokens, per conversation")
+    add("--mt-user-len", type=int, default=32, help="multiturn-random: tokens each user turn adds")
+    add("--mt-assistant-len", type=int, default=32, help="multiturn-random: tokens of each recorded reply")
+    add("--mt-output-len", type=int, default=16, help="multiturn-random: output tokens (EOS ignored)")
     add("--request-rate", type=float, default=float("inf"), help="Poisson arrivals, req/s; inf: all at once")
     add("--max-concurrency", type=int, help="at most this many requests in flight; None: no limit")
     add("--seed", type=int, default=0, help="seeds the datasets and the arrival times")
     add("--warmup-requests", type=int, default=1, help="copies of the first request sent first, not measured")
     add("--output-file", help="append the result (args, metrics, errors) to this file as one JSON line")
     add("--disable-tqdm", action="store_true", help="no progress bar")
-    eng = ap.add_argument_group("engine backend (fields of labkit.config.EngineConfig)")
-    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    eng.add_argument(
-        "--model-path",
-        default=defaults["model_path"],
-        help="HF dir, or with --load-format dummy a config under data/configs; None: embedded",
-    )
-    eng.add_argument(
-        "--load-format", choices=["auto", "dummy"], default=defaults["load_format"], help="dummy: random weights"
-    )
-    eng.add_argument(
-        "--schedule-policy", choices=sorted(POLICIES), default=defaults["schedule_policy"], help="waiting-queue order"
-    )
-    eng.add_argument("--disable-radix-cache", action="store_true", help="no prefix sharing (ChunkCache)")
-    for name, what in (
-        ("page_size", "KV page size, tokens"),
-        ("max_total_tokens", "KV pool size, tokens"),
-        ("max_running_requests", "requests decoded together"),
-        ("chunked_prefill_size", "prefill chunk, tokens; <= 0: no chunking"),
-    ):
-        eng.add_argument("--" + name.replace("_", "-"), type=int, default=defaults[name], help=what)
-    eng.add_argument("--device", default=defaults["device"], help="cpu, cuda or auto")
-    eng.add_argument("--dtype", default=defaults["dtype"], help="float32, bfloat16, float16 or auto")
-    return ap.parse_args(argv)
+    _add_engine_options(ap.add_argument_group("engine backend (fields of labkit.config.EngineConfig)"))
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+_HIDDEN_ENGINE_FIELDS = {"enable_trace"}  # a benchmark measures the engine untraced
+
+
+def _add_engine_options(group: argparse._ArgumentGroup) -> None:
+    """One option per EngineConfig field, its help the field's `help` metadata, as the server's. The
+    policy names are read now (a policy registered before counts); the Engine checks the other names
+    (backends, drafters) as it starts."""
+    choices = {
+        "schedule_policy": sorted(POLICIES),
+        "kv_cache_dtype": list(KV_CACHE_DTYPES),
+        "hicache_write_policy": list(HICACHE_WRITE_POLICIES),
+    }
+    fields = [f for f in dataclasses.fields(EngineConfig) if f.name not in _HIDDEN_ENGINE_FIELDS]
+    add_field_options(group, fields, choices)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -13,6 +13,9 @@ from labkit.mem_cache.allocator import TokenToKVPoolAllocator
 from labkit.mem_cache.memory_pool import TokenToKVPool
 from labkit.reprs import Summarized
 
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_TYPESTR = {torch.uint8: "|u1", torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8"}
+
 
 def available_host_memory() -> int:
     """Bytes the host can still give out (MemAvailable: free memory plus reclaimable page cache)."""
@@ -25,20 +28,33 @@ def available_host_memory() -> int:
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
-    """Byte view of one-byte (FP8) KV: index copies are not implemented for every FP8 dtype and device."""
-    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
+    """The same bits as integers: copies move bits, and index kernels exist for every integer width
+    (not for every FP8 dtype on every device)."""
+    return t.view(_RAW[t.element_size()])
+
+
+def cuda_view_of_pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor over pinned host memory, without a copy. With unified addressing a pinned host
+    address is valid on the GPU, so index kernels gather from (and scatter to) the host pool over the
+    host link directly: no gather on the CPU, no staging buffer."""
+    raw = _raw(host)
+    iface = {"shape": tuple(raw.shape), "typestr": _TYPESTR[raw.dtype], "data": (raw.data_ptr(), False), "version": 3}
+    holder = type("PinnedHostMemory", (), {"__cuda_array_interface__": iface})()
+    with torch.cuda.device(device):
+        return torch.as_tensor(holder, device=device)
 
 
 class HostKVPool(Summarized):
     """K and V of every layer for `size` tokens in CPU memory, [num_layers, slots, kv_heads, head_dim],
-    the device pool's storage dtype (FP8 KV stays FP8), pinned on CUDA so copies are DMA transfers.
-    Host slots are this pool's own (allocated in whole pages, page 0 reserved like the device's).
+    the device pool's storage dtype (FP8 KV stays FP8). Host slots are this pool's own (allocated in
+    whole pages, page 0 reserved like the device's).
 
-    Guarantees of the copies: `backup` returns with the data in host memory; `load` returns once the
-    copy is queued, and on CUDA it runs on a side stream that the compute stream waits for, so no
-    forward queued afterwards reads a slot before its KV has arrived (the host keeps going: the copy
-    overlaps the forward already running). `backup` also makes the compute stream wait, so device
-    slots freed right after it are not rewritten while the copy still reads them."""
+    On CUDA the tensors are pinned and the copies are GPU kernels on a side stream reading or writing
+        them in place (cuda_view_of_pinned). Guarantees: after `backup` or `load` returns, every forward the
+    compute stream runs later sees the copy done (it waits for the side stream): the device slots a
+    backup read can be reused, the slots a load filled can be read. A load starts after the work
+    already queued; a backup (of cached KV, final by then) overlaps it. The host goes on at once.
+    `read_host` waits for the backups still writing."""
 
     def __init__(self, device_pool: TokenToKVPool, size: int):
         page = device_pool.page_size
@@ -63,7 +79,9 @@ class HostKVPool(Summarized):
         self.v = torch.zeros(shape, dtype=first.dtype, pin_memory=on_cuda)
         self.allocator = TokenToKVPoolAllocator(size, page)
         self.stream = torch.cuda.Stream(self.device) if on_cuda else None
-        self._in_flight: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []  # loads' host buffers
+        if on_cuda:
+            self._views = (cuda_view_of_pinned(self.k, self.device), cuda_view_of_pinned(self.v, self.device))
+        self._writing: torch.cuda.Event | None = None  # the last backup on the side stream
 
     def summary(self) -> dict[str, object]:
         return {
@@ -85,60 +103,62 @@ class HostKVPool(Summarized):
         return self.allocator.available_size()
 
     # ---- copies --------------------------------------------------------------------------------
-    def read_device(self, device_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of these device slots, [num_layers, n, kv_heads, head_dim], in host memory."""
-        pool = self.device_pool
-        dtype = self.k.dtype
-        if self.stream is None:
-            k, v = (torch.stack([_raw(b)[device_indices] for b in bufs]) for bufs in (pool.k_buffer, pool.v_buffer))
-            return k.view(dtype), v.view(dtype)
-        with torch.cuda.stream(self.stream):
-            idx = device_indices.to(self.device, non_blocking=True)
-            staged = [
-                torch.stack([_raw(b).index_select(0, idx) for b in bufs]) for bufs in (pool.k_buffer, pool.v_buffer)
-            ]
-            out = [torch.empty(s.shape, dtype=s.dtype, pin_memory=True) for s in staged]
-            for o, s in zip(out, staged):
-                o.copy_(s, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        done.synchronize()
-        return out[0].view(dtype), out[1].view(dtype)
+    def _buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return self.device_pool.k_buffer, self.device_pool.v_buffer
 
     def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
         """Copy the KV of device slots into host slots (same length)."""
-        k, v = self.read_device(device_indices)
-        self.write_host(host_indices, k, v)
-
-    def write_host(self, host_indices: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        _raw(self.k)[:, host_indices] = _raw(k)
-        _raw(self.v)[:, host_indices] = _raw(v)
-
-    def read_host(self, host_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, host_indices], self.v[:, host_indices]
+        if self.stream is None:
+            self.write_host(host_indices, *self.read_device(device_indices))
+            return
+        with torch.cuda.stream(self.stream):
+            src = device_indices.to(self.device, non_blocking=True)
+            dst = host_indices.to(self.device, non_blocking=True)
+            for bufs, view in zip(self._buffers(), self._views):
+                view.index_copy_(1, dst, torch.stack([_raw(b).index_select(0, src) for b in bufs]))
+            self._writing = torch.cuda.Event()
+            self._writing.record(self.stream)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def load(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
         """Copy host slots into device slots (same length)."""
-        self.write_device(device_indices, *self.read_host(host_indices))
+        if self.stream is None:
+            self.write_device(device_indices, *self.read_host(host_indices))
+            return
+        # Freshly allocated slots may still be written by a forward already queued (a request that
+        # finished while its next step was in flight): the copy goes after it.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            dst = device_indices.to(self.device, non_blocking=True)
+            src = host_indices.to(self.device, non_blocking=True)
+            for bufs, view in zip(self._buffers(), self._views):
+                rows = view.index_select(1, src)  # read over the host link by the GPU
+                for layer, buf in enumerate(bufs):
+                    _raw(buf).index_copy_(0, dst, rows[layer])
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def read_device(self, device_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of these device slots, [num_layers, n, kv_heads, head_dim], in (pageable) host memory."""
+        idx = device_indices.to(self.device)
+        k, v = (torch.stack([_raw(b).index_select(0, idx) for b in bufs]).cpu() for bufs in self._buffers())
+        return k.view(self.k.dtype), v.view(self.k.dtype)
+
+    def read_host(self, host_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._writing is not None:
+            self._writing.synchronize()
+        return self.k[:, host_indices], self.v[:, host_indices]
+
+    def write_host(self, host_indices: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._writing is not None:
+            self._writing.synchronize()  # a backup in flight may target the same slots
+        _raw(self.k)[:, host_indices] = _raw(k)
+        _raw(self.v)[:, host_indices] = _raw(v)
 
     def write_device(self, device_indices: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write K and V ([num_layers, n, kv_heads, head_dim], host memory, storage dtype) into device slots."""
-        pool = self.device_pool
-        if self.stream is None:
-            for layer in range(pool.num_layers):
-                _raw(pool.k_buffer[layer])[device_indices] = _raw(k[layer])
-                _raw(pool.v_buffer[layer])[device_indices] = _raw(v[layer])
-            return
-        self._in_flight = [f for f in self._in_flight if not f[0].query()]
-        k, v = _raw(k).pin_memory(), _raw(v).pin_memory()
-        with torch.cuda.stream(self.stream):
-            idx = device_indices.to(self.device, non_blocking=True)
-            dk, dv = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
-            for layer in range(pool.num_layers):
-                _raw(pool.k_buffer[layer]).index_copy_(0, idx, dk[layer])
-                _raw(pool.v_buffer[layer]).index_copy_(0, idx, dv[layer])
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        self._in_flight.append((done, k, v))  # the pinned sources must outlive the transfer
+        """Write K and V ([num_layers, n, kv_heads, head_dim], host memory, storage dtype) into device slots
+        (in order on the compute stream: this is for blocks read from disk, small and rare)."""
+        idx = device_indices.to(self.device)
+        k, v = _raw(k).to(self.device), _raw(v).to(self.device)
+        for layer, (kb, vb) in enumerate(zip(*self._buffers())):
+            _raw(kb)[idx] = k[layer]
+            _raw(vb)[idx] = v[layer]

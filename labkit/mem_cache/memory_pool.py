@@ -5,7 +5,40 @@ from __future__ import annotations
 
 import torch
 
+from labkit.config import KV_CACHE_DTYPES
 from labkit.reprs import Summarized
+
+# --kv-cache-dtype's float8 formats (SGLang's names) and the torch dtypes that store them.
+FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's storage dtype for --kv-cache-dtype `name`: auto is the model's dtype."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown --kv-cache-dtype {name!r}; choose one of {list(KV_CACHE_DTYPES)}")
+    return FP8_KV_DTYPES.get(name, model_dtype)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_KV_DTYPES.values()
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x as the pool stores it in `dtype`: for a float8 dtype x / scale (in float32), saturated to
+    the format's finite range (a plain cast of a too-large value gives inf in e5m2, and NaN or the
+    largest value in e4m3fn depending on torch's build and device), then rounded to nearest even;
+    any other dtype is a plain cast (the scale is not used)."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    finfo = torch.finfo(dtype)
+    return (x.float() / scale).clamp_(finfo.min, finfo.max).to(dtype)
+
+
+def dequantize_kv(raw: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Stored values `raw` as `dtype`: cast, then (float8 storage only) multiplied by the scale."""
+    if not is_fp8(raw.dtype):
+        return raw.to(dtype)
+    return raw.to(dtype, copy=True).mul_(scale)  # a copy even into raw's dtype: never scale the pool itself
 
 
 class ReqToTokenPool(Summarized):
@@ -61,8 +94,14 @@ class ReqToTokenPool(Summarized):
 
 
 class TokenToKVPool(Summarized):
-    """K and V tensors per layer, [num_slots, num_kv_heads, head_dim]. The first page (slots
-    0..page_size-1) is never handed out: padded tokens write there, so no real KV is overwritten."""
+    """K and V tensors per layer, [num_slots, num_kv_heads, head_dim] of `dtype` (the storage dtype:
+    the model's, or a float8 one for --kv-cache-dtype fp8_*). The first page (slots
+    0..page_size-1) is never handed out: padded tokens write there, so no real KV is overwritten.
+
+    `k_buffer[layer]` / `v_buffer[layer]` are the raw storage: a float8 pool holds K / k_scale[layer]
+    and V / v_scale[layer] (quantize_kv), and whoever reads values from them dequantizes
+    (dequantize_kv; the Triton kernels take the scales as arguments). Copying them raw (a host pool)
+    needs no scale."""
 
     def __init__(
         self,
@@ -80,6 +119,11 @@ class TokenToKVPool(Summarized):
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        # Per-layer float8 scales (SGLang's k_scale / v_scale). The checkpoints labkit loads carry
+        # none, so 1.0; a loader that finds them sets these before the first forward (CUDA graphs
+        # capture them as kernel arguments). Unused by a pool in the model's dtype.
+        self.k_scale = [1.0] * num_layers
+        self.v_scale = [1.0] * num_layers
         shape = (size + page_size, num_kv_heads, head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -91,8 +135,16 @@ class TokenToKVPool(Summarized):
         return self.v_buffer[layer_id]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        """Store k, v [len(loc), H_kv, D] at slots loc, quantized as quantize_kv does."""
+        self.k_buffer[layer_id][loc] = quantize_kv(k, self.k_scale[layer_id], self.dtype)
+        self.v_buffer[layer_id][loc] = quantize_kv(v, self.v_scale[layer_id], self.dtype)
+
+    def get_kv(self, layer_id: int, loc: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V values at slots loc, dequantized into `dtype`."""
+        return (
+            dequantize_kv(self.k_buffer[layer_id][loc], self.k_scale[layer_id], dtype),
+            dequantize_kv(self.v_buffer[layer_id][loc], self.v_scale[layer_id], dtype),
+        )
 
     def summary(self) -> dict[str, object]:
         per_token = self.bytes_per_token()
@@ -104,8 +156,12 @@ class TokenToKVPool(Summarized):
             "head_dim": self.head_dim,
             "dtype": str(self.dtype).removeprefix("torch."),
             "bytes_per_token": per_token,
-            "MiB": round((self.size + self.page_size) * per_token / 2**20, 1),
+            "MiB": round(self.nbytes() / 2**20, 1),
         }
+
+    def nbytes(self) -> int:
+        """Bytes of all K and V buffers, the reserved page included."""
+        return (self.size + self.page_size) * self.bytes_per_token()
 
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k_buffer[0].element_size()

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import secrets
+import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ from labkit.distributed.parallel_state import TPGroup
 from labkit.layers.attention import Attention
 from labkit.layers.linear import LinearBase
 from labkit.mem_cache.allocator import TokenToKVPoolAllocator
-from labkit.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool
+from labkit.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, is_fp8, kv_cache_dtype
 from labkit.model_executor.cuda_graph_runner import CudaGraphRunner
 from labkit.model_executor.forward_batch import ForwardBatch, ForwardMode
 from labkit.model_executor.future_map import FutureMap, HostSample
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from labkit.scheduler.schedule_batch import ScheduleBatch, Tokenizer
 
 logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -71,6 +74,53 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in dtypes:
         raise ValueError(f"unknown dtype {name!r}; choose auto or one of {sorted(dtypes)}")
     return dtypes[name]
+
+
+def check_mem_fraction_static(fraction: float | None, device: torch.device) -> None:
+    """ValueError unless --mem-fraction-static is unset, or in (0, 1) on a CUDA device."""
+    if fraction is None:
+        return
+    if device.type != "cuda":
+        raise ValueError(
+            f"--mem-fraction-static sizes the KV pool from a GPU's memory; on {device.type} give its size "
+            "with --kv-memory-gb or --max-total-tokens"
+        )
+    _check_fraction(fraction)
+
+
+def _check_fraction(fraction: float) -> None:
+    if not 0 < fraction < 1:
+        raise ValueError(f"--mem-fraction-static must be in (0, 1), got {fraction}")
+
+
+def kv_pool_bytes(fraction: float, free_bytes: int, total_bytes: int) -> int:
+    """The KV pool's bytes by SGLang's rule, from a GPU's free and total bytes measured once the
+    weights are loaded: free - total * (1 - fraction). Weights and pool then take `fraction` of the
+    GPU; the rest stays for activations and the CUDA graphs (captured after the pool exists).
+    ValueError when the fraction is not in (0, 1) or leaves nothing for the pool."""
+    _check_fraction(fraction)
+    reserved = round(total_bytes * (1 - fraction))
+    pool = free_bytes - reserved
+    if pool <= 0:
+        raise ValueError(
+            f"--mem-fraction-static {fraction} leaves no memory for the KV pool: the weights (and whatever "
+            f"else holds GPU memory) take {(total_bytes - free_bytes) / GIB:.2f} GiB of "
+            f"{total_bytes / GIB:.2f} GiB, and {reserved / GIB:.2f} GiB must stay free for activations and "
+            "CUDA graphs; raise the fraction"
+        )
+    return pool
+
+
+def tp_kv_pool_bytes(fraction: float, free_bytes: int, total_bytes: int, tp: TPGroup) -> tuple[int, int, int]:
+    """Collective over `tp`, given this rank's GPU memory: (the KV pool bytes every rank takes, the
+    free and total bytes of the rank that set it). The ranks' free memory can differ, and every rank
+    must hold the same pool: the smallest kv_pool_bytes of them all. Every rank gets the same result,
+    or the same ValueError."""
+    gathered = b"".join(tp.gather_bytes(struct.pack("<2q", free_bytes, total_bytes)))  # b"" off the leader
+    gpus = list(struct.iter_unpack("<2q", tp.broadcast_bytes(gathered if tp.is_leader else None)))
+    budgets = [kv_pool_bytes(fraction, free, total) for free, total in gpus]
+    tightest = budgets.index(min(budgets))
+    return budgets[tightest], gpus[tightest][0], gpus[tightest][1]
 
 
 def use_column_major_linears(model: torch.nn.Module) -> None:
@@ -131,6 +181,13 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         backend_cls = get_attention_backend(self.attention_backend)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if is_fp8(self.kv_cache_dtype) and not backend_cls.supports_fp8_kv_cache:
+            raise ValueError(
+                f"--kv-cache-dtype {config.kv_cache_dtype} is not supported by the {self.attention_backend} "
+                "attention backend; use --attention-backend triton or torch_native, or --kv-cache-dtype auto"
+            )
+        check_mem_fraction_static(config.mem_fraction_static, self.device)
         torch.manual_seed(config.random_seed)
         self.model, self.hf_config = load_model(
             config.model_path, config.load_format, self.dtype, self.device, seed=config.random_seed, tp=self.tp
@@ -144,14 +201,23 @@ class ModelRunner:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         attn = next(m.spec for m in self.model.modules() if isinstance(m, Attention))
         num_heads, num_kv_heads = attn.num_heads, attn.num_kv_heads  # this rank's
+        pool_size, size_source = self._pool_size(cfg.num_hidden_layers, num_kv_heads, head_dim)
         self.token_to_kv_pool = TokenToKVPool(
-            self._pool_size(cfg, num_kv_heads, head_dim),
+            pool_size,
             config.page_size,
-            self.dtype,
+            self.kv_cache_dtype,
             cfg.num_hidden_layers,
             num_kv_heads,
             head_dim,
             self.device,
+        )
+        logger.info(
+            "KV pool on %s: %d tokens, %s, %.2f GiB (from %s)",
+            self.device,
+            pool_size,
+            str(self.kv_cache_dtype).removeprefix("torch."),
+            self.token_to_kv_pool.nbytes() / GIB,
+            size_source,
         )
         # The free list lives on the host: the scheduler allocates without waiting for the GPU.
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.token_to_kv_pool.size, config.page_size)
@@ -219,18 +285,30 @@ class ModelRunner:
         mine = secrets.randbits(63).to_bytes(8, "little") if self.tp.is_leader else None
         return int.from_bytes(self.tp.broadcast_bytes(mine), "little")
 
-    def _pool_size(self, cfg: Any, num_kv_heads: int, head_dim: int) -> int:
-        """Tokens in the KV pool: the same on every rank (their head counts are equal)."""
-        page = self.config.page_size
-        if self.config.max_total_tokens is not None:
-            size = self.config.max_total_tokens
+    def _pool_size(self, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, str]:
+        """Tokens in the KV pool, the same on every rank, and where the size came from: the first of
+        --max-total-tokens, --mem-fraction-static (CUDA, measured now: call it once the weights are
+        loaded), --kv-memory-gb."""
+        c, page = self.config, self.config.page_size
+        per_token = 2 * num_layers * num_kv_heads * head_dim * self.kv_cache_dtype.itemsize
+        if c.max_total_tokens is not None:
+            size, source = c.max_total_tokens, "--max-total-tokens"
+        elif c.mem_fraction_static is not None:
+            torch.cuda.empty_cache()  # blocks the loader freed are free for the pool too
+            budget, free, total = tp_kv_pool_bytes(
+                c.mem_fraction_static, *torch.cuda.mem_get_info(self.device), self.tp
+            )
+            size = budget // per_token
+            source = (
+                f"--mem-fraction-static {c.mem_fraction_static}: {free / GIB:.2f} of {total / GIB:.2f} GiB free "
+                f"after the weights, {budget / GIB:.2f} GiB of it for the pool"
+            )
         else:
-            per_token = 2 * cfg.num_hidden_layers * num_kv_heads * head_dim * self.dtype.itemsize
-            size = int(self.config.kv_memory_gb * (1 << 30) // per_token)
+            size, source = int(c.kv_memory_gb * GIB // per_token), f"--kv-memory-gb {c.kv_memory_gb}"
         size = size // page * page
         if size < page:
             raise ValueError(f"the KV pool must hold at least one page ({page} tokens), got {size}")
-        return size
+        return size, source
 
     def build_forward_batch(self, batch: ScheduleBatch) -> ForwardBatch:
         req_pool_indices, seq_lens = batch.forward_rows()

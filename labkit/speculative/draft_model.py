@@ -44,6 +44,10 @@ class DraftModelDrafter(Drafter):
             ep_size=1,
             nnodes=1,
             enable_trace=False,
+            # As many tokens as the target's pool (every request has a twin here); a fraction of the
+            # GPU would be measured after the target's pool took its share.
+            max_total_tokens=target.token_to_kv_pool.size,
+            mem_fraction_static=None,
         )
         self.runner = ModelRunner(draft_config)
         if self.runner.vocab_size != target.vocab_size:

@@ -21,6 +21,7 @@ value of a cell), tables are pandas DataFrames.
     draw_packed_batch(fw[-1]); draw_req_to_token(fw[-1]); draw_attention_mask(fw[-1])
     draw_overlap_timeline({"off": e1, "on": e2}); step_phases(run)       # overlap scheduling: host vs device (14)
     draw_token_bytes(tok, {"label": ids}); draw_decode_cost(frame)        # detokenization: split characters (15)
+    draw_tiers(run); tier_frame(run)   # hierarchical cache: device and host pools per step, copies between (16)
     StationStepper(run, rid).show(); RunReplayer(run).show()   # ipywidgets, static fallback
 
 How the tree is rebuilt per step: the scheduler's trace hook records a compact TreeSnapshot (nodes
@@ -66,6 +67,7 @@ from labkit.viz.speculative import (
     draw_spec_kv,
     spec_frame,
 )
+from labkit.viz.tiers import draw_tiers, tier_frame
 from labkit.viz.timeline import batch_frame, cells_frame, draw_timeline, draw_timelines
 from labkit.viz.tree import draw_radix_tree
 from labkit.viz.waiting import draw_waiting, waiting_frame, waiting_table
@@ -110,5 +112,5 @@ __all__ = [
     "draw_graph_steps", "draw_paged_addressing", "draw_split_kv", "load_gpu_results", "split_partials",
     "draw_overlap_timeline", "step_phases", "draw_attention_mask", "draw_packed_batch", "draw_req_to_token",
     "record_forwards", "draw_step_costs", "step_costs", "draw_memories", "draw_policy_orders", "draw_distributions",
-    "draw_penalties",
+    "draw_penalties", "draw_tiers", "tier_frame",
 ]  # fmt: skip

@@ -38,7 +38,7 @@ from labkit.viz.run import token_text
 class LayerCapture:
     """One layer's attention in a recorded forward: the backend's inputs and output, and the K and V
     of every KV slot the batch reads (`PackedStep.kv_slots`, in that order) as the pool held them
-    right after the layer wrote the new tokens' KV."""
+    right after the layer wrote the new tokens' KV (in q's dtype: a float8 pool's dequantized)."""
 
     layer_id: int
     q: torch.Tensor  # [num_tokens, num_heads, head_dim]
@@ -326,14 +326,14 @@ class record_forwards:
     ) -> torch.Tensor:
         out = self._original(self.runner.attn_backend, "forward")(q, k, v, layer, fb, save_kv_cache)
         if layer.layer_id == self.layer_id:
-            pool = fb.token_to_kv_pool
             slots = torch.tensor(unique_slots(self._rows_of(fb)), dtype=torch.int64, device=out.device)
+            k_read, v_read = fb.token_to_kv_pool.get_kv(layer.layer_id, slots, q.dtype)
             self._capture = LayerCapture(
                 layer.layer_id,
                 q.detach().cpu().clone(),
                 out.detach().cpu().clone(),
-                pool.get_key_buffer(layer.layer_id)[slots].cpu().clone(),
-                pool.get_value_buffer(layer.layer_id)[slots].cpu().clone(),
+                k_read.cpu().clone(),
+                v_read.cpu().clone(),
                 layer.scaling,
             )
         return out

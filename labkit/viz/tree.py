@@ -5,7 +5,9 @@ drawing turns into a hairball.
 
 A box shows the start of the node's tokens as text, its token count and its lock reference; its
 fill says evictable (lock_ref 0) or protected (locked by a running request); its outline marks what
-the step did to it: inserted, split (the new upper node), or evicted (a dashed ghost box).
+the step did to it: inserted, split (the new upper node), or evicted (a dashed ghost box). With the
+hierarchical cache (HiRadixCache) a node whose KV is in host memory only is filled in the host colour,
+and a node on the device with a host copy has a strip of it at its right end (NodeState.tier).
 
 The tree at step k is the TreeSnapshot the scheduler's trace hook recorded at the end of step k
 (labkit.trace.snapshot); the step's TreeEvents supply the highlights and the evicted ghosts.
@@ -23,11 +25,15 @@ from labkit.trace.events import TreeEvent
 from labkit.trace.snapshot import DEFAULT_HEAD_TOKENS, NodeState, TreeSnapshot, snapshot_tree
 from labkit.viz import style
 from labkit.viz.run import Run, token_text
+from labkit.viz.tiers import HOST_COPY, HOST_ONLY
 
 COL_W = 2.0  # inches per tree level
 ROOT_W = 0.55
 GAP = 0.18
 ROW_H = 0.42  # inches per leaf row (shrunk for big trees, see max_height)
+STRIP_W = 0.14  # inches: the host-copy strip at a device+host node's right end
+# Tags for what a step did to a node's tiers (HiRadixCache's TreeEvents), later kinds winning.
+TIER_TAGS = {"offload": "OFFLOADED ", "load_back": "LOADED ", "disk_read": "FROM DISK "}
 
 
 @dataclass
@@ -88,7 +94,9 @@ def resolve_tree(source: Any, step: int | None = None) -> tuple[TreeSnapshot, li
         events = Run.of(source).tree_events(step_id) if getattr(source, "tracer", None) else []
         return snap, events, getattr(source, "tokenizer", None), f"Radix tree now (after step {step_id})"
     if hasattr(source, "nodes") and hasattr(source, "root"):  # a RadixCache itself
-        return snapshot_tree(source, -1), [], None, "Radix tree now"
+        bare = snapshot_tree(source, -1)
+        assert bare is not None  # it has nodes and a root: a tree
+        return bare, [], None, "Radix tree now"
     run = Run.of(source)
     if step is None:
         if not run.steps:
@@ -115,6 +123,8 @@ def draw_radix_tree(
     snap, events, tok, default_title = resolve_tree(source, step)
     tokenizer = tokenizer if tokenizer is not None else tok
     inserted, split, evicted = _changes(events)
+    moved = {e.node_id: TIER_TAGS[e.kind] for e in events if e.kind in TIER_TAGS}
+    tiered = any(n.tier != "device" for n in snap.nodes) or bool(moved)
     root = snap.nodes[0]
     present = {n.id for n in snap.nodes}
     known = present | {e.node_id for e in evicted}  # an evicted node hangs below its parent, or the root
@@ -125,7 +135,7 @@ def draw_radix_tree(
             e.num_tokens,
             0,
             0,
-            tuple(e.tokens[:DEFAULT_HEAD_TOKENS]),
+            tuple(t for t in e.tokens[:DEFAULT_HEAD_TOKENS] if isinstance(t, int)),  # not the recorder's "…"
         )
         for e in evicted
         if e.node_id not in present
@@ -139,6 +149,9 @@ def draw_radix_tree(
     width = ROOT_W + depth * (COL_W + GAP)
     height = rows * row_h
     top, bottom, side = 0.75, 0.55, 0.15
+    ncol = 5 if width > 9 else 3
+    legend_rows = -(-(7 if tiered else 5) // ncol)  # the legend's entries (see handles below), in rows
+    bottom += 0.2 * max(0, legend_rows - 2)  # room for a third row (tiers, narrow tree)
     fig = style.new_figure(max(width + 2 * side, 8.0), height + top + bottom, layout="none")
     W, H = fig.get_size_inches()
     ax = fig.add_axes((side / W, bottom / H, width / W, height / H))
@@ -174,6 +187,8 @@ def draw_radix_tree(
             )
         else:
             fill = "#cccccc" if n.parent is None else (style.PROTECTED if n.lock_ref > 0 else style.EVICTABLE)
+            if n.tier == "host":
+                fill = HOST_ONLY
             edge, lw = "#555555", 0.6
             if nid in inserted:
                 edge, lw = style.INSERTED, 2.6
@@ -182,6 +197,17 @@ def draw_radix_tree(
             rect = Rectangle((left, y), w, h, facecolor=fill, edgecolor=edge, lw=lw, gid=f"node-{nid}")
         ax.add_patch(rect)
         patches[nid] = rect
+        if b.kind == "node" and n.tier == "device+host":
+            strip = Rectangle(
+                (left + w - STRIP_W, y),
+                STRIP_W,
+                h,
+                facecolor=HOST_COPY,
+                edgecolor="#555555",
+                lw=0.5,
+                gid=f"host-copy-{nid}",
+            )
+            ax.add_patch(strip)
         if b.depth > 0:  # connector from the parent's right edge
             cy = (b.row0 + b.row1) / 2
             ax.add_line(Line2D([left - GAP, left], [cy, cy], color="#888888", lw=0.7))
@@ -201,17 +227,22 @@ def draw_radix_tree(
             continue
         text = token_text(tokenizer, list(n.head) + (["…"] if n.num_tokens > len(n.head) else []), chars)
         tag = {"ghost": "EVICTED "}.get(b.kind, "NEW " if nid in inserted else "SPLIT " if nid in split else "")
-        meta = f"{tag}#{nid} · {n.num_tokens} tok" + (f" · lock {n.lock_ref}" if b.kind == "node" else "")
+        tag = moved.get(nid, "") + tag if b.kind == "node" else tag
+        where = " · host" if n.tier == "host" else f" · lock {n.lock_ref}"  # a host-only node is never locked
+        meta = f"{tag}#{nid} · {n.num_tokens} tok" + (where if b.kind == "node" else "")
         cy = (b.row0 + b.row1) / 2
+        label = None
         if box_pt >= fs * 2.6:
-            ax.text(
+            label = ax.text(
                 left + 0.06, cy, f"{text}\n{meta}", ha="left", va="center", fontsize=fs, linespacing=1.25, clip_on=True
             )
         elif box_pt >= fs * 1.15:
             short = token_text(tokenizer, list(n.head), max(4, chars - 10))
-            ax.text(
+            label = ax.text(
                 left + 0.06, cy, f"{short} ({n.num_tokens})", ha="left", va="center", fontsize=fs * 0.95, clip_on=True
             )
+        if label is not None and tiered:
+            label.set_clip_path(rect)  # a tier tag makes labels longer: cut them at the box, not over the next
 
     n_nodes = len(snap.nodes) - 1
     stats = f"{n_nodes} nodes · {snap.evictable} evictable + {snap.protected} protected tokens" + (
@@ -219,6 +250,8 @@ def draw_radix_tree(
         if events or step is not None
         else ""
     )
+    if tiered:
+        stats += f" · {snap.host_only} tokens in host memory only"
     fig.text(side / W, 1 - 0.22 / H, title or default_title, fontsize=12, weight="bold", va="top")
     note = "box height = leaves below the node; text = the node's first tokens"
     if tokenizer is not None:
@@ -231,13 +264,18 @@ def draw_radix_tree(
         Patch(facecolor="white", edgecolor=style.SPLIT, lw=2.6, label="split this step (new upper node)"),
         Patch(facecolor="white", edgecolor=style.EVICTED, lw=1.6, ls="--", hatch="//", label="evicted this step"),
     ]
+    if tiered:
+        handles[2:2] = [
+            Patch(facecolor=HOST_ONLY, edgecolor="#555555", label="host only (off the device)"),
+            Patch(facecolor=HOST_COPY, edgecolor="#555555", label="strip: a host copy too"),
+        ]
     fig.legend(
         handles=handles,
         loc="lower left",
         bbox_to_anchor=(side / W, 0.02 / H),
-        ncol=5 if width > 9 else 3,
+        ncol=ncol,
         fontsize=8,
         frameon=False,
     )
-    fig.labkit_nodes = patches  # node id -> its box, for tests and interactive use
+    fig.labkit_nodes = patches  # type: ignore[attr-defined]  # node id -> its box, for tests and interactive use
     return fig
