@@ -189,6 +189,7 @@ class SchedulerLoop:
                     "token_usage": (pool.protected + pool.request_owned) / pool.total,
                     "req_slots": {"total": slots.size, "free": slots.available_size()},
                     "cached_tokens_in_tree": s.tree_cache.evictable_size() + s.tree_cache.protected_size(),
+                    "host_pool": dataclasses.asdict(host) if (host := s.tree_cache.tier_usage()) else None,
                 },
             )
         return ControlOutput(req_id=req.req_id, ok=False, message=f"unknown action {req.action!r}")
