@@ -170,7 +170,9 @@ def test_embedded_model_greedy_with_fp8_pool_stays_close_to_float32_pool(name, f
 
 
 # The same on a GPU: bfloat16 model, the triton kernels, fp8 pools against the bfloat16 pool. The
-# prefill attends to its own K/V unrounded, so the first token matches. Measured (H200): see CUDA_MEASURED.
+# prefill attends to its own K/V unrounded, so the first token matches. Measured on an H200:
+#   fp8_e4m3: [10, 1, 20, 5, 26, 31, 6, 19]   max 0.285, mean 0.053
+#   fp8_e5m2: [10, 4, 2, 1, 23, 2, 6, 8]      max 0.385, mean 0.077
 AGREEMENT_CUDA = {"fp8_e4m3": (1, 4, 1.0, 0.15), "fp8_e5m2": (1, 2, 1.5, 0.3)}
 
 
