@@ -26,7 +26,7 @@ class MatchResult:
     device_indices: torch.Tensor  # int64 KV slots of the matched prefix, one per token
     last_node: Any  # deepest node of the match: the one to lock (None for ChunkCache)
     # HiRadixCache: the match goes on below last_node for this many tokens whose KV is in the host
-    # pool only, down to last_host_node; load_back brings them to the device.
+    # pool only (down to last_host_node), then in blocks on disk; load_back brings them to the device.
     host_hit_length: int = 0
     last_host_node: Any = None
 

@@ -7,8 +7,8 @@ that part first, as RadixCache does, but writes them back to the host (write_bac
 dropping them, or drops only the device copy when the host already has one (write_through copies
 every new node at once). The host tier keeps its own LRU: it drops the host copy of device-resident
 nodes, or removes host-only leaves from the tree. A prefix match that goes on into host-only nodes
-reports them (MatchResult.host_hit_length); `load_back`, right before the request is admitted,
-copies them into fresh device slots.
+reports them, and the disk blocks that continue it (MatchResult.host_hit_length); `load_back`, once
+the request is admitted, copies them into fresh device slots.
 
 The disk tier (optional, a HiCacheStorage) is written through: each complete block of
 `storage_block` tokens of a cached prefix is written once, keyed by the hash of its whole token
@@ -85,15 +85,29 @@ class HiRadixCache(RadixCache):
         _, _, path = self._walk(key)
         k = next((i for i, n in enumerate(path) if not on_device(n)), len(path))
         device, host = path[:k], path[k:]
+        host_len = sum(len(n.key) for n in host)
         return MatchResult(
             torch.cat([n.value for n in device]) if device else self._empty,
             device[-1] if device else self.root,
-            sum(len(n.key) for n in host),
+            host_len + self._disk_len(key, sum(len(n.key) for n in path)),
             host[-1] if host else None,
         )
 
+    def _disk_len(self, key: list[int], matched: int) -> int:
+        """Tokens after the first `matched` of key in blocks the disk tier has (checked by name only:
+        a read can still fail, and is then a miss)."""
+        if self.storage is None:
+            return 0
+        B, end = self.storage_block, matched
+        keys = block_keys(key, B, self.storage_namespace)
+        for j in range(matched // B, len(keys)):
+            if not self.storage.exists(keys[j]):
+                break
+            end = (j + 1) * B
+        return end - matched
+
     def load_back(self, key: list[int], match: MatchResult) -> MatchResult:
-        if not match.host_hit_length and self.storage is None:
+        if not match.host_hit_length:
             return match
         path: list[TreeNode] = []
         node = match.last_host_node
@@ -106,9 +120,13 @@ class HiRadixCache(RadixCache):
         self._pinned = {n.id for n in path}
         try:
             loaded = self._load_nodes(path)
-            last = loaded[-1] if loaded else match.last_node
+            last = top = loaded[-1] if loaded else match.last_node
             if len(loaded) == len(path) and self.storage is not None:
-                last = self._read_storage(key[: len(key) - len(key) % self.page_size], last)
+                self.inc_lock_ref(top)  # making room for the disk blocks must not evict what was loaded
+                try:
+                    last = self._read_storage(key[: len(key) - len(key) % self.page_size], top)
+                finally:
+                    self.dec_lock_ref(top)
         finally:
             self._pinned = set()
             self.dec_lock_ref(match.last_node)

@@ -55,7 +55,7 @@ class Req(Summarized):
     req_pool_idx: int | None = None
     prefix_indices: torch.Tensor = EMPTY_INDICES
     last_node: Any = None
-    host_prefix_len: int = 0  # its last match went on for this many tokens in a host tier (HiRadixCache)
+    host_prefix_len: int = 0  # its last match went on for this many tokens in the host or disk tier (HiRadixCache)
     kv_len: int = 0
     # This round's extend: all_ids[len(prefix_indices) : len(prefix_indices) + extend_input_len]
     extend_input_len: int = 0

@@ -196,6 +196,13 @@ class PrefillAdder:
         # Lock first: the request's own prefix must not count as evictable memory it could use.
         self.tree_cache.inc_lock_ref(req.last_node)
         reason = self._admission_blocker(req)
+        if reason is None and req.host_prefix_len:
+            # It fits with its host-tier part counted as tokens to compute: bring that part up
+            # instead (the same device slots). Only now, so a request that waits copies nothing.
+            self.tree_cache.dec_lock_ref(req.last_node)
+            req.init_next_round_input(self.tree_cache, load_back=True)
+            self.tree_cache.inc_lock_ref(req.last_node)
+            reason = self._admission_blocker(req)
         if reason is not None:
             self.tree_cache.dec_lock_ref(req.last_node)
             self.blocked[req.rid] = reason

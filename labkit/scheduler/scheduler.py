@@ -336,7 +336,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
                 # A tiered cache matches again right before admission: loading one request's prefix
                 # back may evict what another one matched when the queue was sorted.
                 if self.tree_cache.loads_back or not self.policy.needs_prefix_match:
-                    req.init_next_round_input(self.tree_cache, load_back=True)
+                    req.init_next_round_input(self.tree_cache)
                 if not adder.add_one_req(req):
                     stopped_at = req.rid
         out.blocked = adder.blocked

@@ -64,7 +64,7 @@ class WaitingState:
     input_len: int  # tokens it has to hold: prompt (+ outputs, after a retraction)
     prefix_len: int | None  # cached tokens at its last match; None: not matched since it (re)entered
     retract_count: int = 0
-    host_prefix_len: int = 0  # and below them, tokens of the match in the host tier (loaded back at admission)
+    host_prefix_len: int = 0  # and below them, tokens of the match in the host or disk tier (loaded at admission)
 
 
 @dataclass
