@@ -147,3 +147,25 @@ def test_loaded_back_kv_is_the_kv_that_was_evicted(device, kv_cache_dtype):
     assert id_conversations(tiered) == roomy
     assert tiered.tree_cache.stats.loaded_back >= 4 * 192
     assert_idle(tiered)
+
+
+@pytest.mark.slow
+def test_a_waiting_request_loads_nothing_back_until_it_is_admitted():
+    engine = Engine(max_total_tokens=512, enable_hierarchical_cache=True, device="cpu")
+    conversations(engine, rounds=1)  # five system prompts through a 512-token pool: the first ones on the host
+    engine.add_request(
+        input_ids=list(range(1000, 1300)), sampling_params={"temperature": 0, "max_new_tokens": 120, "ignore_eos": True}
+    )
+    engine.step()  # the hog is admitted and holds most of the pool
+    again = engine.add_request(
+        f"You are an expert on {TOPICS[0]}. " * 24 + "One fact, round 1.", sampling_params=GREEDY
+    )
+    loaded, waited = engine.tree_cache.stats.loaded_back, 0
+    while again in engine.step().blocked:
+        waited += 1
+        assert engine.tree_cache.stats.loaded_back == loaded  # blocked: nothing copied for it
+    assert waited > 0  # it did wait for memory
+    while engine.scheduler.has_work():
+        engine.step()
+    assert engine.tree_cache.stats.loaded_back > loaded  # admitted: its system prompt came back from the host
+    assert_idle(engine)
