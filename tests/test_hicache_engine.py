@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import Engine
+from labkit.viz.waiting import waiting_table
 
 TOPICS = ["cooking", "astronomy", "gardening", "chess", "music"]
 GREEDY = {"temperature": 0, "max_new_tokens": 6}
@@ -151,7 +152,7 @@ def test_loaded_back_kv_is_the_kv_that_was_evicted(device, kv_cache_dtype):
 
 @pytest.mark.slow
 def test_a_waiting_request_loads_nothing_back_until_it_is_admitted():
-    engine = Engine(max_total_tokens=512, enable_hierarchical_cache=True, device="cpu")
+    engine = Engine(max_total_tokens=512, enable_hierarchical_cache=True, device="cpu", enable_trace=True)
     conversations(engine, rounds=1)  # five system prompts through a 512-token pool: the first ones on the host
     engine.add_request(
         input_ids=list(range(1000, 1300)), sampling_params={"temperature": 0, "max_new_tokens": 120, "ignore_eos": True}
@@ -161,9 +162,12 @@ def test_a_waiting_request_loads_nothing_back_until_it_is_admitted():
         f"You are an expert on {TOPICS[0]}. " * 24 + "One fact, round 1.", sampling_params=GREEDY
     )
     loaded, waited = engine.tree_cache.stats.loaded_back, 0
-    while again in engine.step().blocked:
+    while again in (step := engine.step()).blocked:
         waited += 1
         assert engine.tree_cache.stats.loaded_back == loaded  # blocked: nothing copied for it
+        # Why it waits, per tier: the part of its prompt the host holds for it.
+        row = waiting_table(engine, step.step).set_index("rid").loc[again]
+        assert "in the host or disk tier" in row["prefix_match"], row["prefix_match"]
     assert waited > 0  # it did wait for memory
     while engine.scheduler.has_work():
         engine.step()

@@ -33,7 +33,8 @@ def block_category(reason: str | None) -> str:
 
 
 def waiting_frame(source: Any) -> pd.DataFrame:
-    """One row per (step, waiting request): why it waited after that step and its prefix match.
+    """One row per (step, waiting request): why it waited after that step and its prefix match (on
+    the device: prefix_len; below it in the host or disk tier: host_prefix_len).
     Requests with a reason come from StepRecord.blocked; a request that sits in the queue without one
     was put back by a retraction during the step."""
     run = Run.of(source)
@@ -51,12 +52,15 @@ def waiting_frame(source: Any) -> pd.DataFrame:
                     "category": block_category(reason),
                     "reason": reason if reason is not None else "retracted: back in the queue",
                     "prefix_len": w.prefix_len if w is not None else None,
+                    "host_prefix_len": w.host_prefix_len if w is not None else None,
                     "input_len": w.input_len if w is not None else None,
                     "retractions": w.retract_count if w is not None else None,
                 }
             )
-    df = pd.DataFrame(rows, columns=["step", "rid", "category", "reason", "prefix_len", "input_len", "retractions"])
+    columns = ["step", "rid", "category", "reason", "prefix_len", "host_prefix_len", "input_len", "retractions"]
+    df = pd.DataFrame(rows, columns=columns)
     df["prefix_len"] = df["prefix_len"].astype("Int64")
+    df["host_prefix_len"] = df["host_prefix_len"].astype("Int64")
     df["input_len"] = df["input_len"].astype("Int64")
     return df
 
@@ -69,7 +73,9 @@ def waiting_table(source: Any, step: int) -> pd.DataFrame:
     def match(row) -> str:
         if pd.isna(row["prefix_len"]):
             return "not matched yet" if not pd.isna(row["input_len"]) else ""
-        return f"{row['prefix_len']} of {row['input_len']} tokens cached"
+        host = row["host_prefix_len"]
+        below = f" (+{host} in the host or disk tier)" if not pd.isna(host) and host else ""
+        return f"{row['prefix_len']} of {row['input_len']} tokens cached{below}"
 
     df["prefix_match"] = [match(r) for _, r in df.iterrows()]
     return df[["rid", "category", "reason", "prefix_match", "retractions"]]
