@@ -164,21 +164,16 @@ class HiRadixCache(RadixCache):
         return take
 
     # ---- inserting: adopt device slots for host-only nodes, write through --------------------------
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """As RadixCache.insert, except that the caller's slots for path nodes that are off the device
-        are adopted by those nodes (their host copy stays): the result is the device-resident prefix."""
-        if len(key) % self.page_size or len(key) != value.numel():
-            return super().insert(key, value)  # raises the same errors
-        _, _, path = self._walk(key)
-        offset = 0
-        device_prefix = None
+    def _claim(self, path: list[TreeNode], value: torch.Tensor) -> int:
+        """Path nodes that are off the device adopt the caller's slots for their tokens (their host copy
+        stays): only the device-resident prefix stays the caller's."""
+        offset, device_prefix = 0, None
         for node in path:
             if not on_device(node):
                 device_prefix = offset if device_prefix is None else device_prefix
                 node.value = value[offset : offset + len(node.key)].to(torch.int64).clone()
                 self._evictable += len(node.key)
             offset += len(node.key)
-        super().insert(key, value)
         return offset if device_prefix is None else device_prefix
 
     def _on_insert(self, leaf: TreeNode) -> None:

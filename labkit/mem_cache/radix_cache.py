@@ -131,7 +131,8 @@ class RadixCache(BasePrefixCache):
             raise ValueError(f"key length {len(key)} is not a multiple of page_size {self.page_size}")
         if len(key) != value.numel():
             raise ValueError(f"key has {len(key)} tokens but value has {value.numel()} slots")
-        node, pos, _ = self._walk(key)
+        node, pos, path = self._walk(key)
+        already = self._claim(path, value)
         if pos < len(key):
             # Own copy: callers pass views of req_to_token rows, which are rewritten later.
             leaf = TreeNode(
@@ -142,7 +143,13 @@ class RadixCache(BasePrefixCache):
             if self.on_event is not None:
                 self._emit("insert", leaf, node)
             self._on_insert(leaf)
-        return pos
+        return already
+
+    def _claim(self, path: list[TreeNode], value: torch.Tensor) -> int:
+        """The length of the inserted key's prefix that stays the caller's (insert's result), given the
+        matched path and the caller's slots: all of the match here (HiRadixCache adopts slots for nodes
+        that are off the device)."""
+        return sum(len(n.key) for n in path)
 
     def _on_insert(self, leaf: TreeNode) -> None:
         """Called for each new leaf (HiRadixCache writes it to the host and disk tiers here)."""
