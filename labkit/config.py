@@ -36,6 +36,13 @@ class EngineConfig:
             "its vocabulary fits the model's"
         },
     )
+    skip_tokenizer_init: bool = field(
+        default=False,
+        metadata={
+            "help": "load no tokenizer: prompts must be input_ids and outputs are token ids only (no text, "
+            "no stop strings, chat or grammars); serves random-weight models of any vocabulary"
+        },
+    )
     dtype: str = field(
         default="auto", metadata={"help": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16"}
     )

@@ -152,7 +152,7 @@ def create_app(runtime: AppRuntime) -> FastAPI:
 
         def body() -> dict:
             return {
-                "text": choice.text,
+                "text": choice.text if manager.tokenizer is not None else None,  # no tokenizer, no text
                 "output_ids": choice.token_ids,
                 "meta_info": {
                     "id": state.rid,

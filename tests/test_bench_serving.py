@@ -162,10 +162,10 @@ def sse_app(chat: bool, usage: bool = True, seen: list | None = None, state: dic
     return httpx.MockTransport(handler)
 
 
-def run_mock(transport, reqs, chat=False, arrivals=None, max_concurrency=None, tokenizer=None):
+def run_mock(transport, reqs, chat=False, arrivals=None, max_concurrency=None, tokenizer=None, api=None):
     async def go():
         async with httpx.AsyncClient(transport=transport, base_url="http://mock") as client:
-            target = HttpTarget("http://mock", "m", chat, tokenizer)
+            target = HttpTarget("http://mock", "m", api or ("chat" if chat else "completions"), tokenizer)
             return await run_http(client, target, reqs, arrivals or [0.0] * len(reqs), max_concurrency)
 
     return asyncio.run(go())
@@ -200,10 +200,10 @@ def test_without_usage_tokens_are_counted_and_prompt_forms_are_converted():
     assert out.cached_tokens is None
     (out,), _ = run_mock(sse_app(False, usage=False), [req], tokenizer=WordTokenizer())
     assert out.output_len == 2  # "Hello world": two words
-    target = HttpTarget("http://x", "m", True, WordTokenizer())
+    target = HttpTarget("http://x", "m", "chat", WordTokenizer())
     assert target.body(req)["messages"] == [{"role": "user", "content": "w101 w102"}]
     chat_req = BenchRequest([{"role": "user", "content": "a bc"}], 5, 4, ignore_eos=False)
-    body = HttpTarget("http://x", "m", False, WordTokenizer()).body(chat_req)
+    body = HttpTarget("http://x", "m", "completions", WordTokenizer()).body(chat_req)
     assert body["prompt"] == [6, 1, 2, 11] and body["ignore_eos"] is False
 
 

@@ -49,39 +49,77 @@ def arrival_times(n: int, request_rate: float, seed: int = 0) -> list[float]:
     return out
 
 
-# ---- OpenAI-compatible HTTP ------------------------------------------------------------------
+# ---- HTTP: OpenAI-compatible, or labkit's (SGLang's) native /generate ------------------------------
+HTTP_APIS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "generate": "/generate"}
+
+
+@dataclass
+class StreamSeen:
+    """What one request's stream has told so far."""
+
+    text: str = ""
+    pieces: int = 0  # chunks that carried output
+    tokens: int = 0  # output ids (generate)
+    usage: dict[str, Any] = field(default_factory=dict)  # OpenAI's usage shape
+
+
 @dataclass
 class HttpTarget:
     base_url: str
     model: str
-    chat: bool  # /v1/chat/completions instead of /v1/completions
-    tokenizer: Any = None  # renders chat prompts for /v1/completions, decodes ids for chat, counts tokens
+    api: str = "completions"  # a key of HTTP_APIS; generate sends token ids and reads token ids back
+    tokenizer: Any = None  # renders chat prompts for completions/generate, decodes ids for chat, counts tokens
     api_key: str | None = None
 
     @property
     def url(self) -> str:
-        return self.base_url.rstrip("/") + ("/v1/chat/completions" if self.chat else "/v1/completions")
+        return self.base_url.rstrip("/") + HTTP_APIS[self.api]
 
     @property
     def headers(self) -> dict[str, str]:
         return auth_headers(self.api_key)
 
     def body(self, req: BenchRequest) -> dict[str, Any]:
-        body: dict[str, Any] = {
+        if self.api == "chat":  # token-id prompts go as their decoded text (the server re-tokenizes it)
+            prompt: dict[str, Any] = {
+                "messages": req.prompt
+                if req.is_chat
+                else [{"role": "user", "content": self._need_tokenizer().decode(req.prompt)}]
+            }
+        else:  # chat prompts go as the ids of their chat template, so prompt lengths stay exact
+            ids = chat_prompt_ids(self._need_tokenizer(), req.prompt) if req.is_chat else req.prompt
+            prompt = {"input_ids" if self.api == "generate" else "prompt": ids}
+        if self.api == "generate":
+            params = {"max_new_tokens": req.output_len, "temperature": 0, "ignore_eos": req.ignore_eos}
+            return {**prompt, "sampling_params": params, "stream": True}
+        return {
             "model": self.model,
+            **prompt,
             "max_tokens": req.output_len,
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
             "ignore_eos": req.ignore_eos,
         }
-        if self.chat:  # token-id prompts go as their decoded text (the server re-tokenizes it)
-            body["messages"] = (
-                req.prompt if req.is_chat else [{"role": "user", "content": self._need_tokenizer().decode(req.prompt)}]
-            )
-        else:  # chat prompts go as the ids of their chat template, so prompt lengths stay exact
-            body["prompt"] = chat_prompt_ids(self._need_tokenizer(), req.prompt) if req.is_chat else req.prompt
-        return body
+
+    def advance(self, chunk: dict[str, Any], seen: StreamSeen) -> bool:
+        """Fold one streamed chunk into `seen`; whether it carried new output."""
+        if self.api == "generate":  # every chunk holds the whole output so far
+            ids, meta = chunk.get("output_ids") or [], chunk.get("meta_info") or {}
+            grew = len(ids) > seen.tokens
+            seen.tokens, seen.text = len(ids), chunk.get("text") or ""
+            seen.usage = {
+                "prompt_tokens": meta.get("prompt_tokens"),
+                "completion_tokens": meta.get("completion_tokens"),
+                "prompt_tokens_details": {"cached_tokens": meta.get("cached_tokens")},
+            }
+        else:
+            seen.usage = chunk.get("usage") or seen.usage
+            piece = chunk_text(chunk, self.api == "chat")
+            seen.text += piece
+            grew = bool(piece)
+        seen.pieces += grew
+        return grew
 
     def _need_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -99,7 +137,7 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 
 def chunk_text(chunk: dict[str, Any], chat: bool) -> str:
-    """The text one streamed chunk carries ("" for the final usage-only chunk)."""
+    """The text one streamed OpenAI chunk carries ("" for the final usage-only chunk)."""
     choices = chunk.get("choices") or []
     if not choices:
         return ""
@@ -112,8 +150,7 @@ async def send_request(client: httpx.AsyncClient, target: HttpTarget, req: Bench
     """One streaming request; timings from the arrival of SSE lines. Any failure is recorded, not raised.
     The body (for chat prompts: template and tokenizer) is built before the clock starts."""
     out = RequestOutput(prompt_len=req.prompt_len)
-    pieces: list[str] = []
-    usage: dict[str, Any] = {}
+    seen = StreamSeen()
     try:
         body = target.body(req)
         start = time.perf_counter()
@@ -132,25 +169,22 @@ async def send_request(client: httpx.AsyncClient, target: HttpTarget, req: Bench
                 chunk = json.loads(data)
                 if chunk.get("error"):
                     raise RuntimeError(f"server error: {chunk['error']}")
-                usage = chunk.get("usage") or usage
-                text = chunk_text(chunk, target.chat)
-                if text:
+                if target.advance(chunk, seen):
                     now = time.perf_counter()
-                    if pieces:
+                    if seen.pieces > 1:
                         out.itl.append(now - last)
                     else:
                         out.ttft = now - start
                     last = now
-                    pieces.append(text)
             if not done:
                 raise RuntimeError("stream ended before data: [DONE]")
         out.latency = time.perf_counter() - start
-        if not pieces:
+        if not seen.pieces:
             out.ttft = out.latency
-        out.text = "".join(pieces)
-        out.prompt_len = usage.get("prompt_tokens", req.prompt_len)
-        out.output_len = usage.get("completion_tokens") or target.count_tokens(out.text, len(pieces))
-        out.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        out.text = seen.text
+        out.prompt_len = seen.usage.get("prompt_tokens") or req.prompt_len
+        out.output_len = seen.usage.get("completion_tokens") or target.count_tokens(out.text, seen.pieces)
+        out.cached_tokens = (seen.usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         out.success = True
     except Exception as e:  # noqa: BLE001 - one bad request must not end the benchmark
         out.error = f"{type(e).__name__}: {e}"
@@ -193,6 +227,13 @@ async def first_model(client: httpx.AsyncClient, base_url: str, api_key: str | N
     resp = await client.get(base_url.rstrip("/") + "/v1/models", headers=auth_headers(api_key))
     resp.raise_for_status()
     return resp.json()["data"][0]["id"]
+
+
+async def server_info(client: httpx.AsyncClient, target: HttpTarget) -> dict[str, Any]:
+    """labkit's GET /get_server_info (the model's vocabulary size is under limits)."""
+    resp = await client.get(target.base_url.rstrip("/") + "/get_server_info", headers=target.headers)
+    resp.raise_for_status()
+    return resp.json()
 
 
 # ---- labkit's Engine, in process --------------------------------------------------------------

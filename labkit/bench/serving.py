@@ -1,10 +1,12 @@
 """Online serving benchmark: TTFT, TPOT, ITL, end-to-end latency and throughput under a request load.
 
-    python -m labkit.bench.serving [--backend openai|openai-chat|engine] [--base-url http://127.0.0.1:30000]
+    python -m labkit.bench.serving [--backend openai|openai-chat|generate|engine] [--base-url http://127.0.0.1:30000]
         [--dataset random|shared-prefix|multiturn|multiturn-random] [--num-prompts 100] [--request-rate inf]
         [--max-concurrency N] [--output-file results.jsonl] ...
 
 openai and openai-chat stream from any OpenAI-compatible server (/v1/completions, /v1/chat/completions);
+generate streams token ids in and out of labkit's (SGLang's) native /generate, for servers without a
+tokenizer (--skip-tokenizer-init) and to leave detokenizing out of the measurement;
 engine runs the same requests through labkit's in-process Engine, stepped by hand, as a baseline with no
 server in between (it takes every EngineConfig option, the hierarchical cache's included). Arrivals are a
 seeded Poisson process (--request-rate; inf sends all at once), with at most --max-concurrency requests in
@@ -33,7 +35,15 @@ import numpy as np
 from tqdm import tqdm
 
 from labkit.bench import datasets
-from labkit.bench.backends import HttpTarget, RequestOutput, arrival_times, first_model, run_engine, run_http
+from labkit.bench.backends import (
+    HttpTarget,
+    RequestOutput,
+    arrival_times,
+    first_model,
+    run_engine,
+    run_http,
+    server_info,
+)
 from labkit.config import HICACHE_WRITE_POLICIES, KV_CACHE_DTYPES, EngineConfig, add_field_options
 from labkit.scheduler.schedule_policy import POLICIES
 
@@ -181,17 +191,26 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[RequestOutput], float]:
         )
 
 
+HTTP_BACKENDS = {"openai": "completions", "openai-chat": "chat", "generate": "generate"}  # backend -> HttpTarget.api
+
+
 async def bench_http(args: argparse.Namespace) -> tuple[list[RequestOutput], float]:
     from labkit.model_loader.loader import load_tokenizer
 
-    tokenizer = load_tokenizer(args.tokenizer)  # None: the embedded model's
-    if tokenizer is None:
+    api = HTTP_BACKENDS[args.backend]
+    # generate sends token ids: a tokenizer only renders chat prompts, and the ids span the model's vocabulary
+    tokenizer = load_tokenizer(args.tokenizer) if api != "generate" or args.tokenizer else None
+    if tokenizer is None and api != "generate":
         raise SystemExit(f"no tokenizer in {args.tokenizer}")
-    requests = build_requests(args, tokenizer, len(tokenizer))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        args.model = args.model or await first_model(client, args.base_url, args.api_key)
-        target = HttpTarget(args.base_url, args.model, args.backend == "openai-chat", tokenizer, args.api_key)
+        target = HttpTarget(args.base_url, args.model or "", api, tokenizer, args.api_key)
+        if api == "generate":
+            vocab_size = (await server_info(client, target))["limits"]["vocab_size"]
+        else:
+            vocab_size = len(tokenizer)
+            target.model = args.model or await first_model(client, args.base_url, args.api_key)
+        requests = build_requests(args, tokenizer, vocab_size)
         if args.warmup_requests:
             n = args.warmup_requests
             warm, _ = await run_http(client, target, requests[:1] * n, [0.0] * n)
@@ -224,9 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     add = ap.add_argument
     add(
         "--backend",
-        choices=["openai", "openai-chat", "engine"],
+        choices=[*HTTP_BACKENDS, "engine"],
         default="openai",
-        help="/v1/completions, /v1/chat/completions, or labkit's in-process Engine",
+        help="/v1/completions, /v1/chat/completions, /generate with token ids (needs no tokenizer: "
+        "for a server started with --skip-tokenizer-init), or labkit's in-process Engine",
     )
     add("--base-url", default="http://127.0.0.1:30000", help="server root (HTTP backends)")
     add("--model", help="model name to send; None: the first of GET /v1/models")

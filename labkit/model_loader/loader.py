@@ -62,8 +62,10 @@ def load_tokenizer(model_dir: str | Path | None) -> Any | None:
 def model_dir_and_tokenizer(config: EngineConfig) -> tuple[Path | None, Any | None]:
     """The model's HF directory (the embedded GGUF is converted once; None for dummy weights) and its
     tokenizer: the one under config.tokenizer_path if given (a random-weight model borrows one that
-    way), else the model directory's (None for dummy weights)."""
+    way), else the model directory's (None for dummy weights). None with skip_tokenizer_init."""
     model_dir = None if config.load_format == "dummy" else resolve_model_dir(config.model_path)
+    if config.skip_tokenizer_init:
+        return model_dir, None
     if config.tokenizer_path is None:
         return model_dir, load_tokenizer(model_dir) if model_dir is not None else None
     tokenizer = load_tokenizer(Path(config.tokenizer_path).expanduser())

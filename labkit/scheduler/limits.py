@@ -34,10 +34,12 @@ class RequestLimits:
             raise ValueError(f"the prompt has {n} tokens; the KV pool holds {self.max_total_tokens}")
         if min(input_ids) < 0 or max(input_ids) >= self.vocab_size:
             raise ValueError(f"input_ids must be in [0, {self.vocab_size})")
+        if params.stop and not self.has_tokenizer:  # they are matched on decoded text
+            raise ValueError("stop strings need a tokenizer; this server has none (use stop_token_ids)")
         grammar = params.grammar
         if grammar is not None:
             if not self.has_tokenizer:
-                raise ValueError(f"{grammar.kind} needs a tokenizer; this model has none (give tokenizer_path)")
+                raise ValueError(f"{grammar.kind} needs a tokenizer; this server has none (give tokenizer_path)")
             get_grammar_backend(self.grammar_backend).check(grammar)
         if params.logprob_start_len >= n:
             raise ValueError(f"logprob_start_len must be < the prompt's {n} tokens, got {params.logprob_start_len}")

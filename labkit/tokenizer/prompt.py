@@ -14,6 +14,10 @@ if TYPE_CHECKING:
     from labkit.scheduler.limits import RequestLimits
     from labkit.trace.recorder import Tracer
 
+NO_TOKENIZER = (
+    "this server has no tokenizer (dummy weights without tokenizer_path, or skip_tokenizer_init): pass input_ids"
+)
+
 
 def apply_chat_template(tokenizer, messages: Any, tools: list[dict[str, Any]] | None = None) -> str:
     """The model's chat template over `messages` (and `tools`, for a template that renders them),
@@ -28,7 +32,7 @@ def apply_chat_template(tokenizer, messages: Any, tools: list[dict[str, Any]] | 
     ):
         raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
     if tokenizer is None:
-        raise ValueError("this model has no tokenizer (dummy weights): pass input_ids, or give tokenizer_path")
+        raise ValueError(NO_TOKENIZER)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
     extra = {"tools": tools} if tools else {}  # only then: a tokenizer-like object need not know the keyword
@@ -49,7 +53,7 @@ def encode_prompt(
             raise ValueError("input_ids must be a list of ints")
         return None, list(input_ids)
     if tokenizer is None:
-        raise ValueError("this model has no tokenizer (dummy weights): pass input_ids, or give tokenizer_path")
+        raise ValueError(NO_TOKENIZER)
     if messages is not None:
         text = apply_chat_template(tokenizer, messages, tools)
         # The template already holds the special tokens (BOS and the turn markers).
