@@ -40,24 +40,27 @@ class SchedulerMetricsMixin:
     tp: TPGroup
 
     def pool_usage(self) -> PoolUsage:
-        """KV slots by owner, counted independently (a leak shows as a sum that is off)."""
+        """KV slots by owner, counted independently (a leak shows as a sum that is off). Vectorized:
+        the Engine reports it every step, over every live request's slots and the whole tree."""
         p = self.page_size
         live = self.running + ([self.chunked_req] if self.chunked_req else [])
         table = self.req_to_token_pool.host
-        owned: set[int] = set()
-        for req in live:
-            if req.req_pool_idx is not None and req.kv_len:
-                owned.update((table[req.req_pool_idx, : req.kv_len] // p).tolist())
-        tree_pages: set[int] = set()
-        for node in self.tree_cache.nodes():
-            if len(node.value):
-                tree_pages.update((node.value // p).tolist())
+        rows = [table[r.req_pool_idx, : r.kv_len] for r in live if r.req_pool_idx is not None and r.kv_len]
+        request_owned = 0
+        if rows:
+            owned_pages = torch.cat(rows) // p if p > 1 else torch.cat(rows)
+            held = torch.zeros(int(owned_pages.max()) + 1, dtype=torch.bool)
+            held[owned_pages] = True
+            if in_tree := [node.value for node in self.tree_cache.nodes() if node.value.numel()]:
+                tree_pages = torch.cat(in_tree) // p if p > 1 else torch.cat(in_tree)
+                held[tree_pages[tree_pages < held.numel()]] = False
+            request_owned = int(held.sum()) * p
         return PoolUsage(
             total=self.allocator.size,
             free=self.allocator.available_size(),
             evictable=self.tree_cache.evictable_size(),
             protected=self.tree_cache.protected_size(),
-            request_owned=len(owned - tree_pages) * p,
+            request_owned=request_owned,
         )
 
     def _trace_forward(
