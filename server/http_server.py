@@ -150,10 +150,12 @@ def create_app(runtime: AppRuntime) -> FastAPI:
         trace_http(manager, raw, [state.rid], parsed)
         choice = Choice(0, 0, state)
 
-        def body() -> dict:
+        def body(shown: Choice) -> dict:
+            """`shown`'s text, ids and logprobs (the whole choice's, or one streamed chunk's); the counts
+            are always the whole choice's."""
             return {
-                "text": choice.text if manager.tokenizer is not None else None,  # no tokenizer, no text
-                "output_ids": choice.token_ids,
+                "text": shown.text if manager.tokenizer is not None else None,  # no tokenizer, no text
+                "output_ids": shown.token_ids,
                 "meta_info": {
                     "id": state.rid,
                     "prompt_tokens": state.prompt_tokens,
@@ -162,17 +164,22 @@ def create_app(runtime: AppRuntime) -> FastAPI:
                     **choice.spec.meta_info(),
                     **finish_fields(choice.finish),
                     "e2e_latency": time.perf_counter() - state.created,
-                    **native_logprobs(choice),
+                    **native_logprobs(shown),
                 },
             }
 
         if req.stream:
+            incremental = runtime.args.incremental_streaming_output
 
             async def events():
                 try:
                     async for out in manager.stream(state):
                         choice.add(out)
-                        yield sse(body())
+                        shown = choice
+                        if incremental:
+                            shown = Choice(0, 0, state)
+                            shown.add(out)
+                        yield sse(body(shown))
                 except ServerDeadError as e:
                     yield sse(server_unavailable(e).body())
                 yield "data: [DONE]\n\n"
@@ -183,7 +190,7 @@ def create_app(runtime: AppRuntime) -> FastAPI:
                 choice.add(out)
         except ServerDeadError as e:
             raise server_unavailable(e) from None
-        return JSONResponse(body()) if choice.finish is not None else Response(status_code=499)
+        return JSONResponse(body(choice)) if choice.finish is not None else Response(status_code=499)
 
     @app.get("/get_server_info")
     async def get_server_info() -> JSONResponse:

@@ -48,6 +48,13 @@ class ServerArgs:
     load_balance_method: str = field(
         default="round_robin", metadata={"help": "how requests are routed to the --dp-size replicas"}
     )
+    incremental_streaming_output: bool = field(
+        default=False,
+        metadata={
+            "help": "/generate streams each chunk's new output_ids and text only (default: everything so far, "
+            "whose resending costs the server and client time quadratic in the output length)"
+        },
+    )
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     enable_metrics: bool = field(default=False, metadata={"help": "serve Prometheus metrics at /metrics"})
     trace_file: str | None = field(

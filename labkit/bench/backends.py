@@ -70,6 +70,7 @@ class HttpTarget:
     api: str = "completions"  # a key of HTTP_APIS; generate sends token ids and reads token ids back
     tokenizer: Any = None  # renders chat prompts for completions/generate, decodes ids for chat, counts tokens
     api_key: str | None = None
+    incremental: bool = False  # generate: each chunk holds only its new ids and text (else all so far)
 
     @property
     def url(self) -> str:
@@ -104,10 +105,13 @@ class HttpTarget:
 
     def advance(self, chunk: dict[str, Any], seen: StreamSeen) -> bool:
         """Fold one streamed chunk into `seen`; whether it carried new output."""
-        if self.api == "generate":  # every chunk holds the whole output so far
-            ids, meta = chunk.get("output_ids") or [], chunk.get("meta_info") or {}
-            grew = len(ids) > seen.tokens
-            seen.tokens, seen.text = len(ids), chunk.get("text") or ""
+        if self.api == "generate":
+            ids, meta, text = chunk.get("output_ids") or [], chunk.get("meta_info") or {}, chunk.get("text") or ""
+            grew = bool(ids) if self.incremental else len(ids) > seen.tokens
+            if self.incremental:
+                seen.tokens, seen.text = seen.tokens + len(ids), seen.text + text
+            else:
+                seen.tokens, seen.text = len(ids), text
             seen.usage = {
                 "prompt_tokens": meta.get("prompt_tokens"),
                 "completion_tokens": meta.get("completion_tokens"),
@@ -288,7 +292,7 @@ def run_engine(
             if nxt < len(requests):  # nothing ready either: every later request waits for an arrival
                 time.sleep(max(0.0, t0 + arrivals[nxt] - time.perf_counter()))
             continue
-        step = engine.step()
+        step = engine.step(count_pool=False)
         now = time.perf_counter()
         for rid in step.new_tokens:
             out = outs[in_flight[rid]]

@@ -206,7 +206,9 @@ async def bench_http(args: argparse.Namespace) -> tuple[list[RequestOutput], flo
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         target = HttpTarget(args.base_url, args.model or "", api, tokenizer, args.api_key)
         if api == "generate":
-            vocab_size = (await server_info(client, target))["limits"]["vocab_size"]
+            info = await server_info(client, target)
+            vocab_size = info["limits"]["vocab_size"]
+            target.incremental = bool(info["server_args"].get("incremental_streaming_output"))
         else:
             vocab_size = len(tokenizer)
             target.model = args.model or await first_model(client, args.base_url, args.api_key)

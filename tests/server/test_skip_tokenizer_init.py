@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 
 import pytest
 from server_process import wait_idle
@@ -37,7 +38,9 @@ def test_engine_without_tokenizer_takes_and_returns_token_ids_only(tiny_engine_k
     assert stopped["output_ids"] == ids[: ids.index(ids[-1]) + 1]  # stop token ids need no tokenizer
 
 
-def test_server_without_tokenizer_streams_ids_and_benchmarks_like_the_engine(tiny_engine_kwargs):
+@pytest.mark.parametrize("incremental", [False, True])
+def test_server_without_tokenizer_streams_ids_and_benchmarks_like_the_engine(tiny_engine_kwargs, incremental):
+    """Streamed /generate chunks hold all ids so far, or (incremental_streaming_output) only new ones."""
     config = EngineConfig(**tiny_engine_kwargs, skip_tokenizer_init=True)
     reqs = datasets.random_requests(6, 12, 5, 0.5, vocab_size=49152, seed=3)
     engine = Engine(dataclasses.replace(config))
@@ -48,6 +51,7 @@ def test_server_without_tokenizer_streams_ids_and_benchmarks_like_the_engine(tin
 
     async def main():
         server = InProcessServer(config)
+        server.args.incremental_streaming_output = incremental
         await server.start()
         try:
             client = server.client
@@ -57,8 +61,13 @@ def test_server_without_tokenizer_streams_ids_and_benchmarks_like_the_engine(tin
             body = {"input_ids": PROMPT, "sampling_params": GREEDY}
             whole = (await server.serve(client.post("/generate", json=body))).json()
             assert whole["text"] is None and whole["meta_info"]["completion_tokens"] == 6
+            streamed = await server.serve(client.post("/generate", json={**body, "stream": True}))
+            chunks = [json.loads(line[5:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+            ids = [c["output_ids"] for c in chunks]
+            assert (sum(ids, []) if incremental else ids[-1]) == whole["output_ids"]
+            assert [c["meta_info"]["completion_tokens"] for c in chunks] == list(range(1, 7))
 
-            target = HttpTarget("http://labkit", "", "generate")
+            target = HttpTarget("http://labkit", "", "generate", incremental=incremental)
             assert (await server.serve(server_info(client, target)))["limits"]["vocab_size"] == 49152
             outs, _ = await server.serve(run_http(client, target, reqs, [0.0] * len(reqs), max_concurrency=3))
             usage = server.scheduler.pool_usage()
@@ -79,13 +88,14 @@ def test_server_without_tokenizer_streams_ids_and_benchmarks_like_the_engine(tin
 @pytest.mark.slow
 def test_served_without_tokenizer_the_generate_benchmark_completes_every_request(tiny_vocab_config, tmp_path):
     """The real three-process server on a random-weight model given only its config (no tokenizer
-    anywhere), measured by `python -m labkit.bench.serving --backend generate`."""
+    anywhere), measured by `python -m labkit.bench.serving --backend generate` (which reads from
+    /get_server_info that the chunks hold only new ids)."""
     from labkit.bench import serving
     from labkit.server.process import start_server
 
     server = start_server(
         "--model-path", tiny_vocab_config, "--load-format", "dummy", "--skip-tokenizer-init",
-        "--max-total-tokens", "4096", "--log-level", "warning",
+        "--max-total-tokens", "4096", "--log-level", "warning", "--incremental-streaming-output",
     )  # fmt: skip
     try:
         result = serving.main(
