@@ -5,6 +5,7 @@ next) on the real embedded GGUF, and the clear error when llama-cpp-python is mi
 from __future__ import annotations
 
 import sys
+from typing import cast
 
 import pytest
 
@@ -35,7 +36,12 @@ def test_llama_cpp_peer_yields_output_len_tokens_per_request(llm, prompts):
 def test_llama_cpp_peer_resets_between_requests(llm, prompts, monkeypatch):
     evaluated: list[int] = []
     real_eval = llm.eval
-    monkeypatch.setattr(llm, "eval", lambda tokens: (evaluated.append(len(tokens)), real_eval(tokens))[1])
+
+    def counting_eval(tokens):
+        evaluated.append(len(tokens))
+        real_eval(tokens)
+
+    monkeypatch.setattr(llm, "eval", counting_eval)
     # The same prompt twice: without a reset, Llama.generate would reuse the first request's KV cache
     # and evaluate one prompt token instead of all of them.
     for _ in range(2):
@@ -69,7 +75,7 @@ def test_bench_labkit_returns_each_prompts_output_ids(tiny_engine_kwargs):
     prompts = offline.make_requests(2, 8, 8, vocab=49152, seed=0)
     _, per_token, outs = offline.bench_labkit(engine, prompts, OUTPUT_LEN)
     params = {"temperature": 0, "max_new_tokens": OUTPUT_LEN, "ignore_eos": True}
-    alone = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
+    alone = [cast(dict, engine.generate(input_ids=p, sampling_params=params))["output_ids"] for p in prompts]
     assert outs == alone and per_token > 0
 
 

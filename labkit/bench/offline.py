@@ -174,7 +174,9 @@ def main(argv: list[str] | None = None) -> list[Result]:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the results to this JSON file")
-    ap.add_argument("--llama-cpp", action="store_true", help=f"add llama.cpp on the GGUF ({LLAMA_CPP_HINT})")
+    ap.add_argument(
+        "--llama-cpp", action="store_true", help="add llama.cpp running the GGUF itself (needs llama-cpp-python)"
+    )
     args = ap.parse_args(argv)
     if args.output_len < 2:
         ap.error("--output-len must be at least 2 (time per token is measured after the first)")
