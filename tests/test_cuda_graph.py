@@ -1,13 +1,16 @@
 """Decode CUDA graphs (labkit.model_executor.cuda_graph_runner).
 
-On CUDA: greedy outputs and logprobs with graphs equal those without (float32 and bfloat16, page
-sizes 1 and 16, batches that need padding, requests finishing at different steps so the batch
-shrinks through the captured sizes, batches above the largest size falling back to eager), and the
+On CUDA: greedy outputs and logprobs with graphs equal those without (triton in float32 and bfloat16,
+FlashInfer in bfloat16 where it is installed; page sizes 1 and 16, batches that need padding,
+requests finishing at different steps so the batch shrinks through the captured sizes, batches
+above the largest size falling back to eager), and the
 KV pool's accounting is untouched by padding. Everywhere: the capture sizes, the config checks, and
 the padded static-buffer path run eagerly (use_cuda_graph=False) through the triton backend's graph
 hooks, which on CPU runs in Triton's interpreter."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -117,18 +120,26 @@ def test_padded_static_path_matches_eager_decode(checkpoint, page_size):
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------
+FLASHINFER = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="flashinfer not installed")
+BACKEND_DTYPES = [
+    ("triton", "float32", 2e-4),
+    ("triton", "bfloat16", 0.15),
+    pytest.param("flashinfer", "bfloat16", 0.15, marks=FLASHINFER),  # FlashInfer has no float32 kernels
+]
+
+
 @NO_CUDA
-@pytest.mark.parametrize("dtype, tol", [("float32", 2e-4), ("bfloat16", 0.15)])
+@pytest.mark.parametrize("backend, dtype, tol", BACKEND_DTYPES)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("num_reqs, max_bs", [(11, 16), (1, 16), (13, 4)])
-def test_cuda_graph_outputs_equal_eager(checkpoint, dtype, tol, page_size, num_reqs, max_bs):
+def test_cuda_graph_outputs_equal_eager(checkpoint, backend, dtype, tol, page_size, num_reqs, max_bs):
     kwargs = dict(
         model_path=str(checkpoint),
         device="cuda",
         dtype=dtype,
         page_size=page_size,
         max_total_tokens=4096,
-        attention_backend="triton",
+        attention_backend=backend,
     )
     prompts, params = _workload(num_reqs)
     eager = Engine(**kwargs, disable_cuda_graph=True)

@@ -67,7 +67,13 @@ FLASHINFER = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, 
 @NO_CUDA
 @pytest.mark.parametrize(
     "backend, graphs",
-    [("triton", True), ("triton", False), ("torch_native", False), pytest.param("flashinfer", False, marks=FLASHINFER)],
+    [
+        ("triton", True),
+        ("triton", False),
+        ("torch_native", False),
+        pytest.param("flashinfer", True, marks=FLASHINFER),
+        pytest.param("flashinfer", False, marks=FLASHINFER),
+    ],
 )
 def test_bfloat16_logprobs_are_within_bfloat16_noise_of_transformers(checkpoint, backend, graphs):
     """The CUDA defaults (bfloat16, fused Triton layer kernels, CUDA graphs, overlap scheduling) against

@@ -99,8 +99,9 @@ class AttentionBackend(ABC):
     # fb_bs is the same ForwardBatch object each time for one bs: DECODE, batch_size bs, its tensors
     # views of the runner's static buffers (rewritten in place before each replay, padded rows
     # included: a padded row has seq_len >= 1, a valid req_pool_idx and out_cache_loc 0, the
-    # reserved slot). Its *_cpu lists are placeholders and must not be read by these hooks or by
-    # forward_decode in graph mode (they would be baked into the graph).
+    # reserved slot). Its *_cpu lists are placeholders and must not be read by forward_decode in
+    # graph mode (they would be baked into the graph); the hooks may read seq_lens_cpu, which holds
+    # the step's lengths at each replay hook (padded rows: 1) and ones at capture.
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
         """Allocate, once, every buffer that captured kernels will read or write as metadata
@@ -119,9 +120,10 @@ class AttentionBackend(ABC):
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         """Before a replay: recompute the metadata of this step from forward_batch's (already
-        refilled) tensors, writing it in place into the buffers the graph captured. Must not
-        allocate anything the graph reads, change shapes, or sync with the host; the result must
-        equal what `init_forward_metadata` would give for the same padded batch."""
+        refilled) tensors and seq_lens_cpu, writing it in place into the buffers the graph captured.
+        Must not allocate anything the graph reads or change shapes, and must not sync with the host
+        beyond waiting for its own earlier copies; the result must equal what `init_forward_metadata`
+        would give for the same padded batch."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def forward(

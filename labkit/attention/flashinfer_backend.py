@@ -10,9 +10,15 @@ and MIXED (so the new K/V must be in the pool first: save_kv_cache=False is not 
 
 Planning writes the schedule into a page-locked host buffer that the device copies from later in
 stream order. With overlap scheduling the next forward is planned while the current one may not have
-started, so two sets of wrappers take turns. No CUDA graphs yet: decode runs eagerly here. No float8
-KV pool either (--kv-cache-dtype fp8_*: the ModelRunner refuses it at start; FlashInfer's prefill
-with bf16 queries over a float8 pool is untested here)."""
+started, so two sets of wrappers take turns.
+
+Decode runs from CUDA graphs: one FlashInfer decode wrapper per captured batch size, in its CUDA-graph
+mode (a fixed batch size; its page table in buffers of ours, shared by every size, that the graph
+reads). Before each replay that wrapper is planned again, eagerly, from the step's real lengths (the
+CudaGraphRunner hands them over in seq_lens_cpu). One wrapper per size, not two taking turns: an event
+recorded after each plan makes the next plan of the same wrapper wait until the device has copied the
+previous schedule out of the host buffer. No float8 KV pool (--kv-cache-dtype fp8_*: the ModelRunner
+refuses it at start; FlashInfer's prefill with bf16 queries over a float8 pool is untested here)."""
 
 from __future__ import annotations
 
@@ -53,9 +59,12 @@ class FlashInferAttnBackend(AttentionBackend):
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         # Tensor cores pay off once a KV head serves several query heads (FlashInfer's own advice).
         gqa = config.num_heads // config.num_kv_heads
-        self._sets = [_Wrappers(workspace, gqa >= 4) for _ in range(2)]
+        self.workspace, self.use_tensor_cores = workspace, gqa >= 4
+        self._sets = [_Wrappers(workspace, self.use_tensor_cores) for _ in range(2)]
         self._turn = 0
         self.wrapper = None  # the planned decode or prefill wrapper of this forward
+        self._graph_wrappers: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}  # by batch size
+        self._graph_planned: dict[int, torch.cuda.Event] = {}  # by batch size: recorded after its latest plan
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         c, fb = self.config, forward_batch
@@ -83,6 +92,51 @@ class FlashInferAttnBackend(AttentionBackend):
                 **common,
             )
             self.wrapper = wrappers.prefill
+
+    # ---- CUDA graphs (decode) ------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        c = self.config
+        pages_per_req = -(-c.max_context_len // c.page_size)
+        self._graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        self._graph_indices = torch.zeros(max_bs * pages_per_req, dtype=torch.int32, device=self.device)
+        self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        bs = forward_batch.batch_size
+        if bs not in self._graph_wrappers:
+            self._graph_wrappers[bs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=self._graph_indptr[: bs + 1],
+                paged_kv_indices_buffer=self._graph_indices,
+                paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs],
+            )
+        self._plan_graph(forward_batch)  # from the capture's placeholder lengths (one token a row)
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        self._plan_graph(forward_batch)
+
+    def _plan_graph(self, fb: ForwardBatch) -> None:
+        c, bs = self.config, fb.batch_size
+        planned = self._graph_planned.get(bs)
+        if planned is not None:
+            planned.synchronize()  # the previous schedule has left the page-locked host buffer
+        indptr, indices, last_page_len = self._page_table(fb)
+        self.wrapper = wrapper = self._graph_wrappers[bs]
+        wrapper.plan(
+            indptr,
+            indices,
+            last_page_len,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.page_size,
+            q_data_type=c.dtype,
+            kv_data_type=c.dtype,
+        )
+        self._graph_planned.setdefault(bs, torch.cuda.Event()).record()
 
     def _page_table(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(indptr, last_page_len) on the host from the lengths the host knows; the page numbers

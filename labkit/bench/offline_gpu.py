@@ -167,6 +167,7 @@ def build_engine(model: str, args, **overrides) -> Engine:
         torch_compile_max_bs=args.torch_compile_max_bs,
         chunked_prefill_size=args.chunked_prefill_size,
         kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
     )
     return Engine(**{**options, **overrides})
 
@@ -220,6 +221,8 @@ BATCH1_VARIANTS = {
     "graphs": {},
     "graphs+compile": {"enable_torch_compile": True},
     "eager": {"disable_cuda_graph": True},
+    "flashinfer": {"attention_backend": "flashinfer"},
+    "flashinfer+eager": {"attention_backend": "flashinfer", "disable_cuda_graph": True},
 }
 
 
@@ -463,6 +466,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="labkit's KV pool storage (as the server's)"
     )
+    ap.add_argument("--attention-backend", default="auto", help="labkit's (auto: triton on CUDA)")
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--cuda-graph-max-bs", type=int, default=256)
     ap.add_argument("--chunked-prefill-size", type=int, default=None, help="default: the engine's")

@@ -13,7 +13,8 @@ single call. A graph replays fixed addresses and fixed shapes, so:
   out by the allocator, see TokenToKVPool), so padding reads only valid slots and overwrites no real
   KV; their logits are dropped;
 - the attention backend keeps its per-step metadata in buffers of its own, filled in place by its
-  `init_forward_metadata_replay_cuda_graph` hook (see AttentionBackend);
+  `init_forward_metadata_replay_cuda_graph` hook (see AttentionBackend), which may plan on the host
+  from the step's lengths (FlashInfer does);
 - the logits of the real rows are copied out of the graph's output, so a later replay cannot
   overwrite what the caller holds. Sampling runs outside the graph, eagerly;
 - with tensor parallelism the graph's all-reduces go through the custom all-reduce (NCCL stays out
@@ -100,7 +101,7 @@ class CudaGraphRunner:
 
     def _static_batch(self, model_runner: ModelRunner, bs: int) -> ForwardBatch:
         """The DECODE ForwardBatch of the first bs rows of the static buffers. The *_cpu lists are
-        placeholders: nothing on the graph path may read them."""
+        placeholders, but for seq_lens_cpu, set to the step's lengths before each replay hook."""
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             batch_size=bs,
@@ -177,6 +178,7 @@ class CudaGraphRunner:
             self.seq_lens[n:bs].fill_(1)
             self.out_cache_loc[n:bs].fill_(PAD_SLOT)
         static = self.forward_batches[bs]
+        static.seq_lens_cpu = [*fb.seq_lens_cpu, *[1] * (bs - n)]  # for backends that plan on the host
         if self.use_cuda_graph:
             self.attn_backend.init_forward_metadata_replay_cuda_graph(static)
             self.graphs[bs].replay()
