@@ -17,6 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.distributed.parallel_state import TPGroup, split_evenly
+from labkit.layers.fused import triton_kernels, use_triton_kernels
+
+GEMV_MAX_K_PER_N = 4  # in/out features beyond which the GEMV kernel lost to cuBLAS (see matmul)
 
 
 class LinearBase(nn.Module):
@@ -31,7 +34,21 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias): a single 16-bit row on CUDA goes through labkit's GEMV kernel where it
+        beat cuBLAS on an H200 (every batch-1 decode projection but tall-K ones such as Qwen2.5's
+        down_proj, 4864 -> 896, where cuBLAS's split-K wins); anything else through F.linear."""
+        out_features, in_features = self.weight.shape
+        if (
+            x.numel() == in_features
+            and x.dtype != torch.float32
+            and in_features <= GEMV_MAX_K_PER_N * out_features
+            and use_triton_kernels(x)
+        ):
+            return triton_kernels().gemv(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def load(self, param: nn.Parameter, full: torch.Tensor, shard_id: int | None = None) -> None:
         """Copy this rank's slice of `full` (the whole parameter, or block `shard_id` of a fused one)."""
@@ -117,8 +134,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        out = self.tp.all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias
 
     def load(self, param: nn.Parameter, full: torch.Tensor, shard_id: int | None = None) -> None:
