@@ -30,7 +30,7 @@ GROUPS = [
     ("collectives", r"nccl|one_shot|two_shot|all_reduce|AllReduce|AllGather"),
     ("MoE experts (fused_moe)", r"_moe_gemm|_moe_sum"),
     ("MoE token alignment", r"_moe_align"),
-    ("matmul", r"gemm|nvjet|cutlass|xmma|splitK|cublas"),
+    ("matmul", r"gemm|nvjet|cutlass|xmma|splitK|cublas|_gemv"),
     ("attention, decode", r"_decode_stage|BatchDecode"),
     ("attention, extend", r"_extend_kernel|BatchPrefill"),
     ("kv store", r"_store_kv"),
