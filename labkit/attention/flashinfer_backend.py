@@ -67,31 +67,22 @@ class FlashInferAttnBackend(AttentionBackend):
         self._graph_planned: dict[int, torch.cuda.Event] = {}  # by batch size: recorded after its latest plan
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        c, fb = self.config, forward_batch
-        indptr, indices, last_page_len = self._page_table(fb)
+        fb = forward_batch
+        tables = self._page_table(fb)
         wrappers = self._sets[self._turn]
         self._turn ^= 1
-        common = dict(q_data_type=c.dtype, kv_data_type=c.dtype)
         if fb.forward_mode.is_decode():
-            wrappers.decode.plan(
-                indptr, indices, last_page_len, c.num_heads, c.num_kv_heads, c.head_dim, c.page_size, **common
-            )
-            self.wrapper = wrappers.decode
+            self._plan(wrappers.decode, *tables)
         else:
-            qo_indptr = _indptr(fb.extend_seq_lens_cpu)
-            wrappers.prefill.plan(
-                qo_indptr,
-                indptr,
-                indices,
-                last_page_len,
-                c.num_heads,
-                c.num_kv_heads,
-                c.head_dim,
-                c.page_size,
-                causal=True,
-                **common,
-            )
-            self.wrapper = wrappers.prefill
+            self._plan(wrappers.prefill, _indptr(fb.extend_seq_lens_cpu), *tables, causal=True)
+
+    def _plan(self, wrapper, *tables: torch.Tensor, **options: bool) -> None:
+        """Plan `wrapper` over this forward's page table (a prefill's query indptr first) and make it
+        the one the layers run."""
+        c = self.config
+        shape = (c.num_heads, c.num_kv_heads, c.head_dim, c.page_size)
+        wrapper.plan(*tables, *shape, q_data_type=c.dtype, kv_data_type=c.dtype, **options)
+        self.wrapper = wrapper
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
@@ -119,23 +110,11 @@ class FlashInferAttnBackend(AttentionBackend):
         self._plan_graph(forward_batch)
 
     def _plan_graph(self, fb: ForwardBatch) -> None:
-        c, bs = self.config, fb.batch_size
+        bs = fb.batch_size
         planned = self._graph_planned.get(bs)
         if planned is not None:
             planned.synchronize()  # the previous schedule has left the page-locked host buffer
-        indptr, indices, last_page_len = self._page_table(fb)
-        self.wrapper = wrapper = self._graph_wrappers[bs]
-        wrapper.plan(
-            indptr,
-            indices,
-            last_page_len,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            c.page_size,
-            q_data_type=c.dtype,
-            kv_data_type=c.dtype,
-        )
+        self._plan(self._graph_wrappers[bs], *self._page_table(fb))
         self._graph_planned.setdefault(bs, torch.cuda.Event()).record()
 
     def _page_table(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

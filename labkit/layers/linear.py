@@ -44,6 +44,7 @@ class LinearBase(nn.Module):
         if (
             x.numel() == in_features
             and x.dtype != torch.float32
+            and self.weight.stride(1) == 1
             and in_features <= GEMV_MAX_K_PER_N * out_features
             and use_triton_kernels(x)
         ):
