@@ -21,6 +21,7 @@ import triton
 
 from labkit.kernels import ExtendPlan, decode_attention, decode_kv_splits, extend_attention
 from labkit.kernels.decode import DEFAULT_MAX_KV_SPLITS, num_sms
+from labkit.kernels.extend import extend_blocks
 
 
 def measure_ceilings(device: torch.device, copy_elements: int = 1 << 28) -> tuple[float, float]:
@@ -174,7 +175,7 @@ def main() -> None:
         prefix_lens = torch.full((batch,), prefix, device=device)
         ext = torch.full((batch,), new, device=device)
         starts = torch.arange(batch, device=device) * new
-        plan = ExtendPlan.build([new] * batch, head_dim, device)
+        plan = ExtendPlan.build([new] * batch, extend_blocks(head_dim, num_heads // num_kv_heads, dtype), device)
         ms = triton.testing.do_bench(
             lambda: extend_attention(q, k, v, k_buf, v_buf, r2t, rows, prefix_lens, ext, starts, scale, plan=plan),
             return_mode="median",

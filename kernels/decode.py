@@ -109,7 +109,7 @@ def _decode_stage1_kernel(
     )
     if FP16_DOT:
         q = q.to(tl.float16)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: online_softmax_step's contract
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):

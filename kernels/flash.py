@@ -1,6 +1,6 @@
 """Pieces shared by the attention kernels (decode.py, extend.py): one block of scores against K/V
-read from the paged pool, and the online-softmax update. Scores are kept in base 2 (the callers fold
-log2(e) into qk_scale), so exp2 replaces exp."""
+read from the paged pool, and the online-softmax update. The running max is kept in base 2 (the
+callers fold log2(e) into qk_scale), so exp2 replaces exp."""
 
 import triton
 import triton.language as tl
@@ -9,14 +9,17 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """Fold one block of base-2 scores s [M, N] (-inf = masked) and values v [N, D] into (m, l, acc)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+def online_softmax_step(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """Fold one block of raw scores s [M, N] (q.k; -inf = masked) and values v [N, D] into (m, l, acc),
+    m in base 2 (qk_scale includes log2(e)). m must start finite (-1e30, not -inf): a block whose
+    scores are all masked then leaves the state unchanged, with no guard in the loop. The scale is
+    applied inside the exponent's argument (one multiply-add per score) and the P.V product
+    accumulates into the rescaled acc (no second accumulator, no separate add)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -46,7 +49,7 @@ def paged_block_step(
     slots = tl.load(req_row + offs_n, mask=mask_n, other=0).to(tl.int64)
     kv_mask = mask_n[:, None] & mask_d[None, :]
     k = tl.load(K_buf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :], mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
     s = tl.where(mask_n[None, :], s, float("-inf"))
     v = tl.load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :], mask=kv_mask, other=0.0)
-    return online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION)
+    return online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, qk_scale, DOT_PRECISION)

@@ -30,7 +30,7 @@ from labkit.kernels.decode import (
     decode_kv_splits,
     num_sms,
 )
-from labkit.kernels.extend import ExtendPlan, extend_attention
+from labkit.kernels.extend import ExtendPlan, extend_attention, extend_blocks
 from labkit.kernels.kv_cache import store_kv
 
 if TYPE_CHECKING:
@@ -76,6 +76,8 @@ class TritonAttnBackend(AttentionBackend):
         self.extend: _ExtendMetadata | None = None
         self.decode: _DecodeMetadata | None = None
         self.graph: _GraphBuffers | None = None  # set by init_cuda_graph_state
+        c = config
+        self.extend_blocks = extend_blocks(c.head_dim, c.num_heads // c.num_kv_heads, c.dtype)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
@@ -92,7 +94,7 @@ class TritonAttnBackend(AttentionBackend):
             starts.append(row)
             row += n
         lens = torch.tensor([prefix_lens, extend_lens, starts], dtype=torch.int64).to(self.device, non_blocking=True)
-        plan = ExtendPlan.build(extend_lens, self.config.head_dim, self.device)
+        plan = ExtendPlan.build(extend_lens, self.extend_blocks, self.device)
         return _ExtendMetadata(lens[0], lens[1], lens[2], plan)
 
     def _decode_metadata(self, fb: ForwardBatch) -> _DecodeMetadata:
@@ -109,7 +111,7 @@ class TritonAttnBackend(AttentionBackend):
             fb.seq_lens - 1,
             torch.ones_like(fb.seq_lens),
             torch.arange(bs, device=self.device),
-            ExtendPlan.one_token_each(bs, self.config.head_dim, self.device),
+            ExtendPlan.one_token_each(bs, self.extend_blocks, self.device),
         )
 
     # ---- CUDA graphs ---------------------------------------------------------------------------

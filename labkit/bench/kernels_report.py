@@ -170,6 +170,7 @@ def extend_case(
     eagerly as the engine runs prefill, against the causal attention FLOPs / matmul rate."""
     from labkit.kernels import ExtendPlan, extend_attention
     from labkit.kernels.bench import _pool
+    from labkit.kernels.extend import extend_blocks
 
     h, h_kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
     k_buf, v_buf, r2t = _pool(batch, 1, h_kv, d, 1, dtype, device)
@@ -181,7 +182,7 @@ def extend_case(
     prefix = torch.zeros(batch, dtype=torch.int64, device=device)
     lens = torch.full((batch,), new, device=device)
     starts = torch.arange(batch, device=device) * new
-    plan = ExtendPlan.build([new] * batch, d, device)
+    plan = ExtendPlan.build([new] * batch, extend_blocks(d, h // h_kv, dtype), device)
     ms = time_ms(
         lambda: extend_attention(q, k, v, k_buf, v_buf, r2t, rows, prefix, lens, starts, d**-0.5, plan=plan),
         device.type == "cuda",

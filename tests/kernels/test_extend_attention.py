@@ -6,14 +6,15 @@ import pytest
 import torch
 
 from labkit.kernels import ExtendPlan, extend_attention
+from labkit.kernels.extend import extend_blocks
 from labkit.kernels.reference import reference_extend_attention
 
 CUDA = torch.cuda.is_available()
 
-SHAPES = [(4, 4, 64, 1), (8, 2, 128, 16), (8, 1, 64, 16), (8, 2, 64, 1)]
+SHAPES = [(4, 4, 64, 1), (8, 2, 128, 16), (8, 1, 64, 16), (8, 2, 64, 1), (9, 3, 64, 1), (12, 1, 64, 1)]
 if CUDA:
     SHAPES = [(h * k, k, d, p) for h in (1, 4, 8) for k in (1, 2) for d in (64, 128) for p in (1, 16)]
-    SHAPES += [(32, 8, 128, 16), (14, 2, 64, 1), (8, 2, 256, 16), (4, 4, 96, 1)]
+    SHAPES += [(32, 8, 128, 16), (14, 2, 64, 1), (8, 2, 256, 16), (4, 4, 96, 1), (9, 3, 64, 1), (48, 1, 128, 1)]
 
 
 def _run(shape, prefix_lens, extend_lens, dtype, device, gen, paged_kv, fused_qkv=False, plan=True):
@@ -45,7 +46,9 @@ def _run(shape, prefix_lens, extend_lens, dtype, device, gen, paged_kv, fused_qk
         starts,
         scale,
         out=out,
-        plan=ExtendPlan.build(extend_lens, head_dim, device) if plan else None,
+        plan=ExtendPlan.build(extend_lens, extend_blocks(head_dim, num_heads // num_kv_heads, dtype), device)
+        if plan
+        else None,
     )
     ref = reference_extend_attention(q, k, v, k_buf, v_buf, req_to_token, rows, prefix, ext, starts, scale)
     return out, ref
@@ -66,8 +69,14 @@ def test_extend_reads_strided_qkv_views_and_plans_itself(dtype, device, gen, pag
     check_close(out, ref, dtype)
 
 
-def test_extend_plan_covers_every_token_once():
-    plan = ExtendPlan.build([1, 64, 65, 0, 130], head_dim=128, device="cpu")
-    assert plan.block_m == 64
-    assert plan.tile_req.tolist() == [0, 1, 2, 2, 4, 4, 4]
-    assert plan.tile_start.tolist() == [0, 0, 0, 64, 0, 64, 128]
+def test_extend_plan_covers_every_token_once_longest_reach_first():
+    blocks = extend_blocks(128, 4, torch.bfloat16)
+    assert (blocks.rows, blocks.tile_tokens) == (128, 32)
+    plan = ExtendPlan.build([1, 32, 33, 0, 70], blocks, device="cpu")
+    tiles = list(zip(plan.tile_start.tolist(), plan.tile_req.tolist()))
+    assert tiles == [(64, 4), (32, 4), (32, 2), (0, 4), (0, 2), (0, 1), (0, 0)]
+
+
+def test_extend_blocks_pad_a_group_wider_than_the_rows():
+    blocks = extend_blocks(128, 200, torch.bfloat16)
+    assert blocks.rows == 256 and blocks.tile_tokens == 1

@@ -15,6 +15,7 @@ import torch
 from labkit.attention import AttentionLayerSpec
 from labkit.attention.torch_native import TorchNativeAttnBackend
 from labkit.kernels import ExtendPlan, decode_attention, extend_attention, store_kv
+from labkit.kernels.extend import extend_blocks
 from labkit.kernels.reference import reference_decode_attention, reference_extend_attention, reference_store_kv
 from labkit.mem_cache.memory_pool import TokenToKVPool, quantize_kv
 from labkit.model_executor.forward_batch import ForwardMode
@@ -107,7 +108,7 @@ def test_extend_on_fp8_pool_matches_reference(shape, fp8, dtype, device, gen, pa
     prefix, ext = torch.tensor(prefix_lens, device=device), torch.tensor(extend_lens, device=device)
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
-    plan = ExtendPlan.build(extend_lens, head_dim, device)
+    plan = ExtendPlan.build(extend_lens, extend_blocks(head_dim, num_heads // num_kv_heads, dtype), device)
     extend_attention(
         q,
         k,
