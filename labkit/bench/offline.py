@@ -11,6 +11,7 @@ running the embedded GGUF as it ships, quantized, one request after another as i
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import time
@@ -77,18 +78,13 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 
 def hf_generate(model, prompts: list[list[int]], output_len: int, pad_id: int) -> torch.Tensor:
     ids, mask = left_pad(prompts, pad_id)
-    config = model.generation_config
-    config.eos_token_id = None  # ignore EOS, like labkit's ignore_eos
+    # All settings in one config (a copy: the model's stays as loaded); EOS ignored, like labkit's ignore_eos.
+    config = copy.deepcopy(model.generation_config)
+    config.update(
+        eos_token_id=None, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id
+    )
     with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=output_len,
-            min_new_tokens=output_len,
-            do_sample=False,
-            pad_token_id=pad_id,
-            generation_config=config,
-        )
+        out = model.generate(ids, attention_mask=mask, generation_config=config)
     return out[:, ids.shape[1] :]
 
 

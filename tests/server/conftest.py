@@ -9,8 +9,10 @@ from labkit.server.process import start_server
 
 @pytest.fixture(scope="module")
 def server():
-    """The embedded model with metrics on; shut down with SIGTERM and checked to exit cleanly."""
-    s = start_server("--enable-metrics", "--log-level", "warning")
+    """The embedded model with metrics on; shut down with SIGTERM and checked to exit cleanly. float32
+    on any device: the tests compare with transformers' float32 logprobs and between batch shapes,
+    exactly (bfloat16 on a GPU rounds differently per batch shape)."""
+    s = start_server("--enable-metrics", "--log-level", "warning", "--dtype", "float32")
     yield s
     assert s.stop() == 0
 
