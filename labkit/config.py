@@ -77,7 +77,7 @@ class EngineConfig:
         default="auto",
         metadata={
             "help": "KV pool storage: auto (the model's dtype), fp8_e4m3 or fp8_e5m2 (half the bytes of bf16; "
-            "per-layer scales 1.0: the checkpoints labkit loads carry none)"
+            "per-layer scales from the checkpoint's k_scale / v_scale tensors, else 1.0)"
         },
     )
     max_running_requests: int = field(default=256, metadata={"help": "most requests decoding at once"})
@@ -107,6 +107,13 @@ class EngineConfig:
     )
     hicache_storage_block: int = field(
         default=64, metadata={"help": "tokens per disk block (a multiple of --page-size)"}
+    )
+    hicache_storage_size: float | None = field(
+        default=None,
+        metadata={
+            "help": "most GiB the disk tier's directory holds: the least recently used blocks (by write or "
+            "read) are deleted to stay under it; none: unbounded"
+        },
     )
     # Scheduling
     schedule_policy: str = field(default="fcfs", metadata={"help": "order in which waiting requests are admitted"})

@@ -1,5 +1,6 @@
-"""The disk tier's storage (labkit.mem_cache.storage): prefix-chained block keys, and HiCacheFile's
-guarantee that get() returns exactly what set() stored or None, across restarts and bad files."""
+"""The disk tier's storage (labkit.mem_cache.storage): prefix-chained block keys, HiCacheFile's
+guarantee that get() returns exactly what set() stored or None, across restarts and bad files, and
+its size cap: least recently used blocks evicted, the order kept across restarts."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import hashlib
 import logging
 import os
 import shutil
+import time
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from labkit import Engine
 from labkit.mem_cache.storage import STORAGE_BACKENDS, HiCacheFile, block_keys
 
 NS = "SmolLM2-135M-Instruct|kv=bfloat16|layers=30|kv_heads=3|head_dim=64"
@@ -284,6 +288,7 @@ def test_summary_counts_blocks_bytes_and_stats(store):
 
 def test_registry_builds_the_file_backend(tmp_path):
     assert isinstance(STORAGE_BACKENDS["file"](tmp_path, NS), HiCacheFile)
+    assert STORAGE_BACKENDS["file"](tmp_path, NS, 1.5).max_bytes == 3 * 2**29
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -296,3 +301,150 @@ def test_set_from_cuda_tensors_gets_them_back_on_the_cpu(store):
     got = store.get(key, tokens)
     assert got is not None and got[0].device.type == "cpu"
     assert same_bits(got[0], k.cpu()) and same_bits(got[1], v.cpu())
+
+
+# The size cap (--hicache-storage-size): LRU eviction by write and read, across restarts
+
+
+def block_size(tmp_path) -> int:
+    """Bytes of one block file of LAYOUT (every block of it has this size)."""
+    probe = HiCacheFile(tmp_path / "probe", NS)
+    return block_file(probe, stored_block(probe)[0]).stat().st_size
+
+
+def gib(num_bytes: float) -> float:
+    return num_bytes / 2**30
+
+
+def dir_bytes(root) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def blocks_kept(store: HiCacheFile, seeds) -> list[int]:
+    return [seed for seed in seeds if store.exists(block_keys(list(range(seed, seed + BLOCK)), BLOCK, NS)[0])]
+
+
+def read(store: HiCacheFile, seed: int) -> None:
+    tokens = list(range(seed, seed + BLOCK))
+    assert store.get(block_keys(tokens, BLOCK, NS)[0], tokens) is not None
+
+
+@pytest.fixture
+def capped(tmp_path):
+    """capped(n, name="cache"): a store under tmp_path/name capped at n and a half blocks."""
+    size = block_size(tmp_path)
+
+    def make(blocks: int, name: str = "cache", namespace: str = NS) -> HiCacheFile:
+        return HiCacheFile(tmp_path / name, namespace, gib((blocks + 0.5) * size))
+
+    return make
+
+
+def test_capped_directory_stays_under_the_cap_through_many_writes(capped, tmp_path):
+    store = capped(3)
+    seeds = range(0, 200, 10)
+    for seed in seeds:
+        stored_block(store, seed)
+        assert dir_bytes(tmp_path / "cache") <= store.max_bytes
+    assert blocks_kept(store, seeds) == [170, 180, 190]  # the newest
+    assert store.stats.evictions == 17 and store.stats.too_large == 0
+    assert store.summary()["blocks"] == 3 and store.summary()["cap_MiB"] == round(store.max_bytes / 2**20, 2)
+
+
+def test_a_block_read_recently_survives_and_the_least_recently_used_goes(capped):
+    store = capped(3)
+    for seed in (0, 10, 20):
+        stored_block(store, seed)
+    read(store, 0)
+    stored_block(store, 30)
+    assert blocks_kept(store, (0, 10, 20, 30)) == [0, 20, 30]
+
+
+def test_a_restart_keeps_the_lru_order(capped):
+    first = capped(3)
+    for seed in (0, 10, 20):
+        stored_block(first, seed)
+    read(first, 0)  # within the file clock's resolution of the writes: the order must still hold
+    restarted = capped(3)
+    stored_block(restarted, 30)
+    assert blocks_kept(restarted, (0, 10, 20, 30)) == [0, 20, 30]
+
+
+def test_a_restart_keeps_a_write_after_a_read_newest(capped, monkeypatch):
+    first = capped(5)
+    for seed in (0, 10):
+        stored_block(first, seed)
+    # A file system clock that lags the process's (coarse ticks): mtimes the kernel sets would
+    # place the next write before the read.
+    now_ns = time.time_ns
+    monkeypatch.setattr(time, "time_ns", lambda: now_ns() + 10**9)
+    read(first, 0)
+    stored_block(first, 20)
+    monkeypatch.undo()
+    assert blocks_kept(capped(1), (0, 10, 20)) == [20]
+
+
+def test_a_restart_with_a_smaller_cap_evicts_down_to_it(capped):
+    first = capped(5)
+    for seed in range(0, 50, 10):
+        stored_block(first, seed)
+    restarted = capped(2)
+    assert blocks_kept(restarted, range(0, 50, 10)) == [30, 40]
+    assert restarted.stats.evictions == 3
+
+
+def test_the_cap_covers_every_namespace_under_the_root(capped):
+    old_model = capped(3)
+    stored_block(old_model, 0)
+    stored_block(old_model, 10)
+    new_model = capped(3, namespace=NS + "|fp8")
+    for seed in (100, 110):  # a block of another namespace
+        tokens = list(range(seed, seed + BLOCK))
+        assert new_model.set(block_keys(tokens, BLOCK, NS + "|fp8")[0], tokens, *kv())
+    assert blocks_kept(old_model, (0, 10)) == [10]  # the oldest block of the root went
+
+
+def test_a_block_bigger_than_the_cap_is_not_written_and_reading_it_is_a_miss(tmp_path, caplog):
+    store = HiCacheFile(tmp_path / "cache", NS, gib(block_size(tmp_path) / 2))
+    tokens = [1, 2, 3, 4]
+    key = block_keys(tokens, BLOCK, NS)[0]
+    with caplog.at_level(logging.WARNING, logger="labkit.mem_cache.storage"):
+        assert store.set(key, tokens, *kv()) is False
+    assert not store.exists(key) and store.get(key, tokens) is None
+    assert (store.stats.too_large, store.stats.write_failures, store.stats.read_failures) == (1, 0, 0)
+    assert [p for p in store.dir.rglob("*") if p.is_file()] == []  # its temp file is gone too
+    assert "exceeds --hicache-storage-size" in caplog.text
+
+
+def test_temp_files_of_killed_writes_are_removed_at_start(tmp_path):
+    store = HiCacheFile(tmp_path, NS)
+    key, _ = stored_block(store)
+    folder = block_file(store, key).parent
+    stale, fresh = folder / f".{key}.k1ll3d.tmp", folder / f".{key}.wr1t1ng.tmp"
+    unrelated = [tmp_path / "notes.tmp", folder / "mine.tmp", store.dir / f".{key}.x.tmp"]
+    for path in [stale, fresh, *unrelated]:
+        path.write_bytes(b"partial block")
+    long_ago = os.stat(stale).st_mtime - 3600
+    for path in [stale, *unrelated]:
+        os.utime(path, (long_ago, long_ago))
+    HiCacheFile(tmp_path, NS)
+    assert not stale.exists()
+    assert fresh.exists()  # may be another live process's write in progress
+    assert all(p.exists() for p in unrelated)  # not named as set() names its temp files
+    assert block_file(store, key).exists()
+
+
+@pytest.mark.parametrize("size", [0, -1.0, float("nan"), float("inf"), "1", True])
+def test_a_cap_that_is_not_a_positive_number_is_a_value_error(tmp_path, size):
+    with pytest.raises(ValueError, match=r"--hicache-storage-size must be a positive number of GiB"):
+        HiCacheFile(tmp_path, NS, size)
+
+
+def test_engine_gives_the_disk_tier_its_cap(tiny_engine_kwargs, tmp_path, caplog):
+    tiers: dict[str, Any] = {"enable_hierarchical_cache": True, "hicache_storage_dir": str(tmp_path)}
+    with caplog.at_level(logging.INFO, logger="labkit.mem_cache.factory"):
+        engine = Engine(**tiny_engine_kwargs, **tiers, hicache_storage_size=0.5)
+    assert engine.tree_cache.storage.max_bytes == 2**29
+    assert "at most 0.5 GiB" in caplog.text
+    with pytest.raises(ValueError, match="--hicache-storage-size"):
+        Engine(**tiny_engine_kwargs, **tiers, hicache_storage_size=0.0)

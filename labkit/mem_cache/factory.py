@@ -3,6 +3,7 @@ radix tree over device, host and disk tiers), with the start-up log line of each
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,7 @@ from labkit.mem_cache.base_prefix_cache import BasePrefixCache, EventHook
 from labkit.mem_cache.chunk_cache import ChunkCache
 from labkit.mem_cache.hiradix_cache import HiRadixCache
 from labkit.mem_cache.host_pool import HostKVPool
+from labkit.mem_cache.memory_pool import is_fp8
 from labkit.mem_cache.radix_cache import RadixCache
 from labkit.mem_cache.storage import STORAGE_BACKENDS, HiCacheStorage
 
@@ -22,12 +24,16 @@ logger = logging.getLogger(__name__)
 
 def storage_namespace(config: EngineConfig, runner: ModelRunner) -> str:
     """What KV blocks on disk depend on: the model (and its weights' seed when random), the KV layout
-    and dtype, and the tensor-parallel rank whose heads they hold."""
+    and dtype (with a float8 pool's scales unless all 1.0: they decide what the stored values mean),
+    and the tensor-parallel rank whose heads they hold."""
     pool = runner.token_to_kv_pool
     weights = config.model_path or "embedded"
     if config.load_format == "dummy":
         weights += f":dummy:{config.random_seed}"
     layout = f"{pool.num_layers}x{pool.num_kv_heads}x{pool.head_dim}:{pool.k_buffer[0].dtype}"
+    scales = pool.k_scale + pool.v_scale
+    if is_fp8(pool.dtype) and any(x != 1.0 for x in scales):
+        layout += ":scales=" + hashlib.sha256(repr(scales).encode()).hexdigest()[:16]
     return f"{weights}|{config.dtype}|{layout}|tp{runner.tp.rank}/{runner.tp.size}"
 
 
@@ -52,7 +58,9 @@ def make_prefix_cache(config: EngineConfig, runner: ModelRunner, on_event: Event
         if runner.tp.size > 1:
             # Each rank would read its own files: one failed read would make the ranks' trees differ.
             raise ValueError("--hicache-storage-dir is not supported with tp_size > 1 yet")
-        storage = STORAGE_BACKENDS["file"](config.hicache_storage_dir, storage_namespace(config, runner))
+        storage = STORAGE_BACKENDS["file"](
+            config.hicache_storage_dir, storage_namespace(config, runner), config.hicache_storage_size
+        )
     cache = HiRadixCache(
         req_pool,
         allocator,
@@ -64,6 +72,7 @@ def make_prefix_cache(config: EngineConfig, runner: ModelRunner, on_event: Event
         storage_namespace=storage_namespace(config, runner),
         on_event=on_event,
     )
+    cap = config.hicache_storage_size
     logger.info(
         "hierarchical cache: device %d tokens, host %d tokens (%.2f GiB%s, %s)%s",
         device_pool.size,
@@ -71,6 +80,9 @@ def make_prefix_cache(config: EngineConfig, runner: ModelRunner, on_event: Event
         host_pool.size * per_token / 2**30,
         ", pinned" if host_pool.k.is_pinned() else "",
         config.hicache_write_policy,
-        f", disk {config.hicache_storage_dir} (blocks of {config.hicache_storage_block})" if storage else "",
+        f", disk {config.hicache_storage_dir} (blocks of {config.hicache_storage_block}, "
+        f"{'unbounded' if cap is None else f'at most {cap} GiB'})"
+        if storage
+        else "",
     )
     return cache

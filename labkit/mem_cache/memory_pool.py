@@ -3,6 +3,10 @@ KV slot allocation is the allocator's job (allocator.py); these classes only own
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from typing import TypeGuard
+
 import torch
 
 from labkit.config import KV_CACHE_DTYPES
@@ -21,6 +25,12 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_KV_DTYPES.values()
+
+
+def is_positive_finite(x: object) -> TypeGuard[float]:
+    """Whether x is a real number (an int or float, not a bool) in (0, inf): what scales and sizes
+    given by a checkpoint or an option must be."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf
 
 
 def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -119,14 +129,31 @@ class TokenToKVPool(Summarized):
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        # Per-layer float8 scales (SGLang's k_scale / v_scale). The checkpoints labkit loads carry
-        # none, so 1.0; a loader that finds them sets these before the first forward (CUDA graphs
-        # capture them as kernel arguments). Unused by a pool in the model's dtype.
+        # Per-layer float8 scales (SGLang's k_scale / v_scale): 1.0 unless set_kv_scales gives the
+        # checkpoint's. Unused by a pool in the model's dtype.
         self.k_scale = [1.0] * num_layers
         self.v_scale = [1.0] * num_layers
         shape = (size + page_size, num_kv_heads, head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def set_kv_scales(self, k_scales: Sequence[float], v_scales: Sequence[float]) -> None:
+        """Use these per-layer scales (a checkpoint's) from now on. Call it before the first forward:
+        KV already stored keeps the old scales, and CUDA graphs capture the values as kernel
+        arguments. ValueError, leaving the scales as they were, unless each is one positive finite
+        number per layer."""
+        for which, scales in (("K", k_scales), ("V", v_scales)):
+            if len(scales) != self.num_layers:
+                raise ValueError(f"{len(scales)} {which} scales for a KV pool of {self.num_layers} layers")
+            bad = [(i, x) for i, x in enumerate(scales) if not is_positive_finite(x)]
+            if bad:
+                layer, value = bad[0]
+                raise ValueError(
+                    f"KV scales must be positive finite numbers: {which} scale of layer {layer} is {value!r}"
+                    + (f" ({len(bad) - 1} more bad)" if len(bad) > 1 else "")
+                )
+        self.k_scale = [float(x) for x in k_scales]
+        self.v_scale = [float(x) for x in v_scales]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]

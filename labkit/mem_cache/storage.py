@@ -1,15 +1,20 @@
 """The disk tier under HiRadixCache's host pool: KV blocks of `block` tokens, each keyed by the hash
 of the whole token prefix up to its end (block_keys), so a restarted server finds its prefixes again.
-A namespace string names the model and KV layout; blocks of one namespace are never read by another."""
+A namespace string names the model and KV layout; blocks of one namespace are never read by another.
+An optional size cap (--hicache-storage-size) keeps the directory bounded, evicting the least
+recently used blocks."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import re
 import tempfile
+import time
 import zlib
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import asdict, dataclass
@@ -18,9 +23,32 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from labkit.mem_cache.memory_pool import is_positive_finite
+
 logger = logging.getLogger(__name__)
 
 _HEX_DIGITS = frozenset("0123456789abcdef")
+GIB = 1 << 30
+# Under the root: <namespace digest>/<key[:2]>/ holds the blocks <key>.pt and set()'s temp files
+# .<key>.<random>.tmp; nothing else there is ever touched.
+_NAMESPACE_DIR = re.compile(r"[0-9a-f]{16}")
+_BLOCK_PATH = re.compile(r"[0-9a-f]{16}/([0-9a-f]{2})/\1[0-9a-f]{62}\.pt")
+_TEMP_PATH = re.compile(r"[0-9a-f]{16}/([0-9a-f]{2})/\.\1[0-9a-f]{62}\.[^/]+\.tmp")
+# A temp file older than this is left by a killed writer (a block's write takes well under a second);
+# a younger one may be another live process's write in progress.
+STALE_TEMP_S = 60.0
+
+
+def cap_bytes(size_gib: object) -> int | None:
+    """--hicache-storage-size (GiB) in bytes; None stays None (unbounded). ValueError unless a
+    positive finite number."""
+    if size_gib is None:
+        return None
+    if not is_positive_finite(size_gib):
+        raise ValueError(
+            f"--hicache-storage-size must be a positive number of GiB (or none: unbounded), got {size_gib!r}"
+        )
+    return int(size_gib * GIB)
 
 
 def _token_ids(tokens: Sequence[int]) -> np.ndarray:
@@ -90,13 +118,17 @@ def _block_error(blob: object, ids: torch.Tensor) -> str | None:
 
 @dataclass
 class StorageStats:
-    """Counters since construction. A read of an absent key is a miss: it counts in `reads` only."""
+    """Counters since construction. A read of an absent key is a miss: it counts in `reads` only.
+    `too_large`: writes not done because the block alone exceeds the size cap; `evictions`: blocks
+    removed to stay under it."""
 
     reads: int = 0
     read_hits: int = 0
     read_failures: int = 0
     writes: int = 0
     write_failures: int = 0
+    too_large: int = 0
+    evictions: int = 0
 
 
 class HiCacheStorage(ABC):
@@ -107,11 +139,15 @@ class HiCacheStorage(ABC):
     block that get() would return. Keys, tokens or tensors that no correct caller passes (a key not
     made by block_keys, token ids beyond int32, k and v of another shape) raise ValueError.
 
-    Backends share the constructor (root: where the blocks live, namespace: the model and KV layout),
-    so STORAGE_BACKENDS[name](root, namespace) builds any of them."""
+    Backends share the constructor (root: where the blocks live, namespace: the model and KV layout,
+    size_gib: the most GiB the store may hold, None for no limit; ValueError for a size that is not a
+    positive number), so STORAGE_BACKENDS[name](root, namespace, size_gib) builds any of them. A
+    bounded store drops blocks to stay under its size (a later get() of them is a miss) and does
+    not store a block bigger than it (set() returns False)."""
 
-    def __init__(self, root: str | Path, namespace: str):
+    def __init__(self, root: str | Path, namespace: str, size_gib: float | None = None):
         self.namespace = namespace
+        self.max_bytes = cap_bytes(size_gib)
         self.stats = StorageStats()
 
     @abstractmethod
@@ -134,12 +170,23 @@ class HiCacheStorage(ABC):
 class HiCacheFile(HiCacheStorage):
     """One torch.save file per block: root/<sha256(namespace)[:16]>/<key[:2]>/<key>.pt, holding the
     block's token ids, k, v and a checksum. Writes go to a temp file in the same folder, then
-    os.replace: readers, this process or another, see the old block or the new one, never a part."""
+    os.replace: readers, this process or another, see the old block or the new one, never a part.
 
-    def __init__(self, root: str | Path, namespace: str):
-        super().__init__(root, namespace)
-        self.dir = Path(root) / _namespace_digest(namespace)[:16]
+    The size cap covers the blocks of every namespace under the root. An in-memory LRU of them
+    (oldest first), built from the files' mtimes at start, orders eviction; a write or a read
+    sets the file's mtime, so a restart keeps the order. Eviction costs O(1) per block. The start
+    also removes temp files that a killed writer left. The cap holds for what this process knows:
+    the blocks there at its start and those it wrote or read since; another process writing to the
+    same root at the same time is not counted."""
+
+    def __init__(self, root: str | Path, namespace: str, size_gib: float | None = None):
+        super().__init__(root, namespace, size_gib)
+        self.root = Path(root)
+        self.dir = self.root / _namespace_digest(namespace)[:16]
         self._bad: set[Path] = set()  # files that failed a read: logged once, and exists() says False
+        self._lru: OrderedDict[Path, int] = OrderedDict()  # block file -> bytes, least recently used first
+        self._bytes = 0  # sum of self._lru's values
+        self._last_mtime_ns = 0  # the newest mtime set or seen: the LRU's clock
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             fd, probe = tempfile.mkstemp(suffix=".probe", dir=self.dir)
@@ -150,6 +197,64 @@ class HiCacheFile(HiCacheStorage):
                 os.unlink(probe)
         except OSError as e:
             raise ValueError(f"--hicache-storage-dir {root}: not writable ({type(e).__name__}: {e})") from e
+        self._load_lru()
+
+    def _load_lru(self) -> None:
+        """Remove stale temp files, fill the LRU from the block files' mtimes, evict down to the cap."""
+        blocks, removed, stale_before = [], 0, time.time() - STALE_TEMP_S
+        namespaces = [d for d in self.root.iterdir() if _NAMESPACE_DIR.fullmatch(d.name)]
+        for path in (p for d in namespaces for p in d.glob("*/*")):
+            rel = path.relative_to(self.root).as_posix()
+            try:
+                if _BLOCK_PATH.fullmatch(rel):
+                    st = path.stat()
+                    blocks.append((st.st_mtime_ns, path, st.st_size))
+                elif _TEMP_PATH.fullmatch(rel) and path.stat().st_mtime < stale_before:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:  # removed meanwhile by another process
+                continue
+        for mtime_ns, path, size in sorted(blocks):
+            self._track(path, size)
+            self._last_mtime_ns = mtime_ns
+        self._fit()
+        logger.info(
+            "hicache storage %s: %d blocks, %.2f GiB of %s; removed %d stale temp files, evicted %d blocks",
+            self.root,
+            len(self._lru),
+            self._bytes / GIB,
+            "unbounded" if self.max_bytes is None else f"{self.max_bytes / GIB:.2f} GiB",
+            removed,
+            self.stats.evictions,
+        )
+
+    def _track(self, path: Path, size: int) -> None:
+        """Record block `path` of `size` bytes as the most recently used."""
+        self._bytes += size - self._lru.pop(path, 0)
+        self._lru[path] = size
+
+    def _touch(self, path: Path) -> None:
+        """Set the file's mtime past every earlier one (the clock's ticks can be coarser than a write)."""
+        self._last_mtime_ns = max(time.time_ns(), self._last_mtime_ns + 1)
+        with suppress(OSError):  # only the order after a restart depends on it
+            os.utime(path, ns=(self._last_mtime_ns, self._last_mtime_ns))
+
+    def _fit(self, keep: Path | None = None) -> None:
+        """Evict least recently used blocks, `keep` last, until the tracked bytes are within the cap."""
+        while self.max_bytes is not None and self._bytes > self.max_bytes:
+            oldest = iter(self._lru)
+            victim = next(oldest)
+            if victim == keep:
+                victim = next(oldest, victim)
+            self._bytes -= self._lru.pop(victim)
+            self._bad.discard(victim)
+            self.stats.evictions += 1
+            try:
+                victim.unlink()
+            except FileNotFoundError:
+                pass  # already removed by another process
+            except OSError as e:
+                logger.warning("hicache storage: cannot evict %s (%s: %s)", victim, type(e).__name__, e)
 
     def _path(self, key: str) -> Path:
         if len(key) != 64 or not set(key) <= _HEX_DIGITS:
@@ -179,6 +284,13 @@ class HiCacheFile(HiCacheStorage):
             return None
         self.stats.read_hits += 1
         self._bad.discard(path)  # another writer replaced a bad file with a good one
+        if path in self._lru:
+            self._lru.move_to_end(path)
+        else:  # written by another process since this one started
+            with suppress(OSError):
+                self._track(path, path.stat().st_size)
+                self._fit(keep=path)
+        self._touch(path)
         return blob["k"], blob["v"]
 
     def set(self, key: str, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -198,6 +310,18 @@ class HiCacheFile(HiCacheStorage):
             fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=path.parent)
             with os.fdopen(fd, "wb") as f:
                 torch.save(blob, f)
+            size = os.stat(tmp).st_size
+            if self.max_bytes is not None and size > self.max_bytes:
+                os.unlink(tmp)
+                self.stats.too_large += 1
+                if self.stats.too_large == 1:
+                    logger.warning(
+                        "hicache storage: a block of %d bytes exceeds --hicache-storage-size (%d bytes); such "
+                        "blocks are not stored",
+                        size,
+                        self.max_bytes,
+                    )
+                return False
             # No fsync: after a crash the file may be empty or truncated, which get() reads as None.
             os.replace(tmp, path)
         except (OSError, RuntimeError) as e:  # torch's zip writer reports a failed write as RuntimeError
@@ -214,15 +338,22 @@ class HiCacheFile(HiCacheStorage):
                     os.unlink(tmp)
             return False
         self._bad.discard(path)
+        self._track(path, size)
+        self._touch(path)
+        self._fit(keep=path)
         return True
 
     def summary(self) -> dict[str, object]:
+        """Blocks and MiB of this namespace (on disk now); root_MiB: the blocks of every namespace
+        under the root that the size cap counts; cap_MiB: the cap (None: unbounded)."""
         sizes = [p.stat().st_size for p in self.dir.glob("*/*.pt")]
         return {
             "backend": "file",
             "dir": str(self.dir),
             "blocks": len(sizes),
             "MiB": round(sum(sizes) / 2**20, 2),
+            "root_MiB": round(self._bytes / 2**20, 2),
+            "cap_MiB": None if self.max_bytes is None else round(self.max_bytes / 2**20, 2),
             **asdict(self.stats),
         }
 

@@ -25,7 +25,8 @@ from labkit.model_executor.cuda_graph_runner import CudaGraphRunner
 from labkit.model_executor.forward_batch import ForwardBatch, ForwardMode
 from labkit.model_executor.future_map import FutureMap, HostSample
 from labkit.model_executor.input_logprobs import InputLogprobs
-from labkit.model_loader.loader import load_model
+from labkit.model_loader.loader import checkpoint_kv_scales, load_model
+from labkit.model_loader.weight_utils import kv_scales_from
 from labkit.sampling.penalties import SamplingReq
 from labkit.sampling.sampler import Sampler, SamplingBatchInfo
 
@@ -219,6 +220,7 @@ class ModelRunner:
             self.token_to_kv_pool.nbytes() / GIB,
             size_source,
         )
+        self._use_checkpoint_kv_scales()  # before any forward, and before the CUDA graphs capture them
         # The free list lives on the host: the scheduler allocates without waiting for the GPU.
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.token_to_kv_pool.size, config.page_size)
         # +2: the request being chunk-prefilled and one being admitted can hold slots beside the cap.
@@ -248,6 +250,24 @@ class ModelRunner:
         # Shapes specialize at first and turn dynamic on the first recompile (torch's default).
         self.compiled_model = torch.compile(self.model) if config.enable_torch_compile else None
         self.cuda_graph_runner: CudaGraphRunner | None = self._build_cuda_graph_runner()
+
+    def _use_checkpoint_kv_scales(self) -> None:
+        """Give a float8 pool the checkpoint's per-layer KV scales (it keeps 1.0 without them) and log
+        where its scales came from; another pool ignores them (logged). ValueError for scales that
+        the pool cannot use (kv_scales_from, set_kv_scales)."""
+        pool = self.token_to_kv_pool
+        tensors = checkpoint_kv_scales(self.config.model_path, self.config.load_format)
+        if not is_fp8(pool.dtype):
+            if tensors:
+                logger.info("KV scales: found in the checkpoint, not used by a %s pool", pool.summary()["dtype"])
+            return
+        scales = kv_scales_from(tensors.items(), pool.num_layers)
+        if scales is None:
+            why = "none in the checkpoint" if self.config.load_format == "auto" else "random weights"
+            logger.info("KV scales: 1.0 (%s)", why)
+            return
+        pool.set_kv_scales(scales.k, scales.v)
+        logger.info("KV scales: from the checkpoint (%d layers)", pool.num_layers)
 
     def _build_cuda_graph_runner(self) -> CudaGraphRunner | None:
         """Decode CUDA graphs: on CUDA, unless disabled, with one rank, with a backend that supports

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from labkit.distributed.parallel_state import TPGroup
 from labkit.model_loader.embedded import embedded_model_dir
-from labkit.model_loader.weight_utils import full_shape_of, load_param
+from labkit.model_loader.weight_utils import full_shape_of, is_kv_scale, load_param
 from labkit.models.registry import get_model_class
 
 if TYPE_CHECKING:
@@ -80,7 +80,11 @@ def model_dir_and_tokenizer(config: EngineConfig) -> tuple[Path | None, Any | No
     return model_dir, tokenizer
 
 
-def iter_safetensors(model_dir: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    model_dir: Path, device: torch.device, keep: Callable[[str], bool] = lambda name: True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the directory's *.safetensors whose name `keep` accepts
+    (the others are never read)."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -89,7 +93,16 @@ def iter_safetensors(model_dir: Path, device: torch.device) -> Iterator[tuple[st
     for file in files:
         with safe_open(str(file), framework="pt", device=str(device)) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if keep(name):
+                    yield name, f.get_tensor(name)
+
+
+def checkpoint_kv_scales(model_path: str | None, load_format: str) -> dict[str, torch.Tensor]:
+    """The KV cache scale tensors (is_kv_scale: per layer, so the same on every tensor-parallel rank)
+    of the checkpoint load_model(model_path, load_format) loads, on the CPU; none for random weights."""
+    if load_format != "auto":
+        return {}
+    return dict(iter_safetensors(resolve_model_dir(model_path), torch.device("cpu"), is_kv_scale))
 
 
 @torch.no_grad()
@@ -122,6 +135,7 @@ def load_model(
     share of them, over a TPGroup).
 
     load_format "auto": a HF directory (config.json + possibly sharded *.safetensors); None = embedded.
+    Its KV cache scales are skipped: checkpoint_kv_scales reads them for the pool.
     load_format "dummy": random weights for a config given as a directory, .json file or short name."""
     device = torch.device(device)
     if load_format == "auto":
@@ -137,7 +151,8 @@ def load_model(
         model = cls(config, dtype, tp or TPGroup())
     model.to_empty(device=device)
     if load_format == "auto":
-        loaded = model.load_weights(iter_safetensors(model_dir, device))
+        # KV cache scales are no parameter: the pool takes them (checkpoint_kv_scales).
+        loaded = model.load_weights(iter_safetensors(model_dir, device, lambda name: not is_kv_scale(name)))
         missing = sorted(set(dict(model.named_parameters())) - loaded)
         if missing:
             raise ValueError(
