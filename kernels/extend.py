@@ -196,9 +196,10 @@ class ExtendBlocks:
 
 
 def extend_blocks(head_dim: int, group: int, dtype: torch.dtype) -> ExtendBlocks:
-    """Picked on an H200 (bf16, 32 query / 8 KV heads, D=128, 8 x 2048 new tokens): 128 rows of 8 warps
-    over blocks of 64 keys, 3 stages (427 TFLOP/s; 64 rows of 4 warps 424, 256 rows 430, 2 stages
-    342). Float32 (tests, CPU) and D > 128: smaller tiles so that the stages fit in shared memory."""
+    """Picked on an H200 (bf16, 32 query / 8 KV heads, D=128, 8 x 2048 new tokens; docs/benchmarks.md):
+    128 rows of 8 warps over blocks of 64 keys, 3 stages. In a sweep of a scratch version, 64 rows of
+    4 warps and 256 rows came within 1% of it, 2 stages or blocks of 128 keys lost 10-20%. Float32
+    (tests, CPU) and D > 128: smaller tiles so that the stages fit in shared memory."""
     if head_dim <= 128 and dtype.itemsize <= 2:
         rows, block_n, num_warps, num_stages = 128, 64, 8, 3
     else:

@@ -11,7 +11,7 @@ from labkit.kernels.reference import reference_extend_attention
 
 CUDA = torch.cuda.is_available()
 
-SHAPES = [(4, 4, 64, 1), (8, 2, 128, 16), (8, 1, 64, 16), (8, 2, 64, 1), (9, 3, 64, 1), (12, 1, 64, 1)]
+SHAPES = [(4, 4, 64, 1), (8, 2, 128, 16), (8, 1, 64, 16), (8, 2, 64, 1), (9, 3, 64, 1), (12, 1, 64, 1), (4, 2, 256, 16)]
 if CUDA:
     SHAPES = [(h * k, k, d, p) for h in (1, 4, 8) for k in (1, 2) for d in (64, 128) for p in (1, 16)]
     SHAPES += [(32, 8, 128, 16), (14, 2, 64, 1), (8, 2, 256, 16), (4, 4, 96, 1), (9, 3, 64, 1), (48, 1, 128, 1)]
