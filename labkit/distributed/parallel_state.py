@@ -115,6 +115,15 @@ class TPGroup:
             dist.broadcast(buf, src=0, group=self.cpu_group)
         return data if data is not None else buf.numpy().tobytes()
 
+    def min_int(self, x: int) -> int:
+        """The smallest of the ranks' `x`, on every rank (over gloo): how ranks agree on a count that
+        each measured locally, such as the disk blocks each could read."""
+        if self.size == 1:
+            return x
+        t = torch.tensor([x], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t)
+
     def gather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's `data` on rank 0, in rank order (other ranks get []), over gloo."""
         if self.size == 1:

@@ -55,9 +55,6 @@ def make_prefix_cache(config: EngineConfig, runner: ModelRunner, on_event: Event
     host_pool = HostKVPool(device_pool, host_tokens)
     storage: HiCacheStorage | None = None
     if config.hicache_storage_dir is not None:
-        if runner.tp.size > 1:
-            # Each rank would read its own files: one failed read would make the ranks' trees differ.
-            raise ValueError("--hicache-storage-dir is not supported with tp_size > 1 yet")
         storage = STORAGE_BACKENDS["file"](
             config.hicache_storage_dir, storage_namespace(config, runner), config.hicache_storage_size
         )
@@ -71,6 +68,7 @@ def make_prefix_cache(config: EngineConfig, runner: ModelRunner, on_event: Event
         storage_block=config.hicache_storage_block,
         storage_namespace=storage_namespace(config, runner),
         on_event=on_event,
+        agree=runner.tp.min_int if runner.tp.size > 1 else None,
     )
     cap = config.hicache_storage_size
     logger.info(

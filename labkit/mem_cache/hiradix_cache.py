@@ -13,7 +13,9 @@ the request is admitted, copies them into fresh device slots.
 The disk tier (optional, a HiCacheStorage) is written through: each complete block of
 `storage_block` tokens of a cached prefix is written once, keyed by the hash of its whole token
 prefix, so a restarted server (same model, same KV layout: the namespace) finds it. `load_back` reads
-the blocks that continue a match after the tree, and a failed read is a miss.
+the blocks that continue a match after the tree, and a failed read is a miss. With tensor
+parallelism every rank has its own files (its heads' KV); the ranks agree on each count of blocks
+found or read (the smallest), so a block missing or unreadable on one rank is a miss on all.
 
 Sizes (evictable_size, protected_size) count device tokens, as the scheduler's memory accounting
 needs; `tier_usage` reports the host tier.
@@ -22,6 +24,7 @@ needs; `tier_usage` reports the host tier.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +68,7 @@ class HiRadixCache(RadixCache):
         storage_block: int = 64,
         storage_namespace: str = "",
         on_event: EventHook | None = None,
+        agree: Callable[[int], int] | None = None,
     ):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
@@ -75,6 +79,10 @@ class HiRadixCache(RadixCache):
         self.storage = storage
         self.storage_block = storage_block
         self.storage_namespace = storage_namespace
+        # With tensor parallelism each rank reads its own files, and a read that fails on one rank
+        # must fail on all, or their trees (and schedules) would differ: each disk count is agreed
+        # on (the minimum over the ranks, TPGroup.min_int) before it is used.
+        self._agree = agree or (lambda n: n)
         self.stats = TierStats()
         self._pinned: set[int] = set()  # ids of nodes being loaded back: the host tier keeps them
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, on_event)
@@ -98,13 +106,13 @@ class HiRadixCache(RadixCache):
         a read can still fail, and is then a miss)."""
         if self.storage is None:
             return 0
-        B, end = self.storage_block, matched
+        B = self.storage_block
         keys = block_keys(key, B, self.storage_namespace)
-        for j in range(matched // B, len(keys)):
-            if not self.storage.exists(keys[j]):
-                break
-            end = (j + 1) * B
-        return end - matched
+        first = matched // B
+        if first >= len(keys):  # no whole block past the match (the same on every rank)
+            return 0
+        found = next((j for j in range(first, len(keys)) if not self.storage.exists(keys[j])), len(keys))
+        return max(self._agree(found) * B - matched, 0)
 
     def load_back(self, key: list[int], match: MatchResult) -> MatchResult:
         if not match.host_hit_length:
@@ -336,7 +344,7 @@ class HiRadixCache(RadixCache):
         assert self.storage is not None  # internal: called only with a disk tier
         m, B = self._depth(last), self.storage_block
         keys = block_keys(key, B, self.storage_namespace)
-        ks, vs, end = [], [], m
+        ks, vs = [], []
         room = self.allocator.available_size() + self.evictable_size()
         for j in range(m // B, len(keys)):
             if (j + 1) * B - m > room:
@@ -347,7 +355,9 @@ class HiRadixCache(RadixCache):
             skip = max(m - j * B, 0)
             ks.append(got[0][:, skip:])
             vs.append(got[1][:, skip:])
-            end = (j + 1) * B
+        read = self._agree(len(ks))  # blocks every rank could read
+        ks, vs = ks[:read], vs[:read]
+        end = (m // B + read) * B if read else m
         slots = self._device_room(end - m) if end > m else None
         if slots is None:
             return last
