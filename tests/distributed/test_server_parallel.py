@@ -18,7 +18,8 @@ import pytest
 from labkit.engine import Engine
 from labkit.server.process import ServerProcess, free_port, start_server
 
-TINY = ("--model-path", "tiny-llama", "--load-format", "dummy", "--max-total-tokens", "4096")
+# On CPU (gloo) even where a GPU is present: more ranks than GPUs would be refused.
+TINY = ("--model-path", "tiny-llama", "--load-format", "dummy", "--max-total-tokens", "4096", "--device", "cpu")
 pytestmark = pytest.mark.slow  # each test starts servers of several processes
 
 
@@ -49,7 +50,7 @@ def _wait_idle(server: ServerProcess) -> dict:
 def test_dp2_of_tp2_completes_every_request_of_a_mixed_workload_exactly_once():
     rng = random.Random(0)
     work = [([rng.randrange(256) for _ in range(rng.randrange(1, 90))], rng.randrange(1, 24)) for _ in range(24)]
-    engine = Engine(model_path="tiny-llama", load_format="dummy", max_total_tokens=4096)
+    engine = Engine(model_path="tiny-llama", load_format="dummy", max_total_tokens=4096, device="cpu")
     expected = [
         o["output_ids"]
         for o in engine.generate(
@@ -143,7 +144,8 @@ def tiny_chat_model(tmp_path_factory):
 
 def test_two_nodes_on_localhost_answer_a_chat_request(tiny_chat_model):
     addr = f"127.0.0.1:{free_port()}"
-    layout = ("--model-path", tiny_chat_model, "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr)
+    layout = ("--model-path", tiny_chat_model, "--device", "cpu", "--tp-size", "2", "--nnodes", "2")
+    layout += ("--dist-init-addr", addr)
     node1 = _node(*layout, "--node-rank", "1")
     try:
         server = start_server(*layout, "--node-rank", "0")
@@ -236,7 +238,7 @@ def test_aborts_flush_info_and_metrics_cover_every_replica():
 def test_an_expert_parallel_moe_server_gives_the_single_device_tokens_and_leaks_nothing():
     rng = random.Random(2)
     work = [[rng.randrange(256) for _ in range(rng.randrange(1, 60))] for _ in range(8)]
-    engine = Engine(model_path="tiny-qwen3-moe", load_format="dummy", max_total_tokens=4096)
+    engine = Engine(model_path="tiny-qwen3-moe", load_format="dummy", max_total_tokens=4096, device="cpu")
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     expected = [o["output_ids"] for o in engine.generate(input_ids=work, sampling_params=params)]
     moe = ("--model-path", "tiny-qwen3-moe", "--load-format", "dummy", "--max-total-tokens", "4096")

@@ -47,11 +47,23 @@ def _assert_same(ref: dict, got: dict) -> None:
         ):
             assert lp_g == pytest.approx(lp_r, abs=1e-4)
         for top_r, top_g in zip(r["meta_info"]["output_top_logprobs"], g["meta_info"]["output_top_logprobs"]):
-            assert [t for _, t in top_g] == [t for _, t in top_r]
-            assert [lp for lp, _ in top_g] == pytest.approx([lp for lp, _ in top_r], abs=1e-4)
+            _assert_same_top(top_r, top_g)
 
 
-TIGHT = {"max_total_tokens": 320, "chunked_prefill_size": 32, "max_running_requests": 8}
+def _assert_same_top(top_r: list, top_g: list, tol: float = 1e-4) -> None:
+    """The same top logprobs (within tol), in the same token order except where two of them tie within
+    tol: summing a layer's partial products over ranks rounds differently, so near-ties may swap (at
+    the last place, with a token just outside the list)."""
+    assert [lp for lp, _ in top_g] == pytest.approx([lp for lp, _ in top_r], abs=tol)
+    for i, ((lp, t_r), (_, t_g)) in enumerate(zip(top_r, top_g)):
+        if t_g != t_r:
+            near = [top_r[j][0] for j in (i - 1, i + 1) if 0 <= j < len(top_r)]
+            assert i == len(top_r) - 1 or any(abs(lp - x) <= 2 * tol for x in near), (top_r, top_g)
+
+
+# On CPU (gloo) even where a GPU is present: more ranks than GPUs would be refused.
+CPU = {"device": "cpu"}
+TIGHT = {"max_total_tokens": 320, "chunked_prefill_size": 32, "max_running_requests": 8, **CPU}
 
 
 @pytest.mark.parametrize(
@@ -101,11 +113,11 @@ def test_tp2_gives_the_prompt_logprobs_of_tp1_across_chunks_and_cache_hits():
             assert lp_h == pytest.approx(lp_w, abs=1e-4) if lp_w is not None else lp_h is None
         for top_w, top_h in zip(want["input_top_logprobs"], have["input_top_logprobs"]):
             assert (top_h is None) == (top_w is None)
-            assert [t for _, t in top_h or []] == [t for _, t in top_w or []]
+            _assert_same_top(top_w or [], top_h or [])
 
 
 def test_every_rank_samples_the_same_tokens_with_temperature_and_seeds():
-    common = {"model_path": "tiny-qwen3", "load_format": "dummy", "enable_trace": True, "max_total_tokens": 2048}
+    common = {"model_path": "tiny-qwen3", "load_format": "dummy", "enable_trace": True, "max_total_tokens": 2048, **CPU}
     prompts = _workload(256, seed=1)
     params = [
         {"max_new_tokens": 16, "temperature": 1.3, "top_p": 0.9, "ignore_eos": True, **({"seed": i} if i % 2 else {})}
@@ -126,13 +138,13 @@ def test_every_rank_samples_the_same_tokens_with_temperature_and_seeds():
 
 def test_a_rank_layout_the_model_cannot_split_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="tp_size 3 does not fit the model"):
-        Engine(model_path="tiny-llama", load_format="dummy", tp_size=3)
+        Engine(model_path="tiny-llama", load_format="dummy", tp_size=3, **CPU)
     with pytest.raises(ValueError, match="does not split evenly over 2 nodes"):
-        Engine(model_path="tiny-llama", load_format="dummy", tp_size=3, nnodes=2, dist_init_addr="127.0.0.1:1")
+        Engine(model_path="tiny-llama", load_format="dummy", tp_size=3, nnodes=2, dist_init_addr="127.0.0.1:1", **CPU)
 
 
 def test_a_dead_follower_makes_the_next_step_fail_instead_of_hanging():
-    engine = Engine(model_path="tiny-llama", load_format="dummy", tp_size=2, max_total_tokens=1024)
+    engine = Engine(model_path="tiny-llama", load_format="dummy", tp_size=2, max_total_tokens=1024, **CPU)
     try:
         [follower] = engine._followers.procs
         os.kill(follower.pid, signal.SIGKILL)
@@ -153,12 +165,12 @@ def test_a_dead_follower_makes_the_next_step_fail_instead_of_hanging():
 def test_tp3_on_the_embedded_model_gives_the_tokens_of_tp1():
     """SmolLM2's 9 query / 3 KV heads split three ways (two ways is refused)."""
     with pytest.raises(ValueError, match="9 query heads"):
-        Engine(tp_size=2)
+        Engine(tp_size=2, **CPU)
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
     params = {"max_new_tokens": 12, "temperature": 0, "return_logprob": True, "top_logprobs_num": TOP}
-    ref_engine = Engine(max_total_tokens=2048)
+    ref_engine = Engine(max_total_tokens=2048, **CPU)
     ref = dict(enumerate(ref_engine.generate(prompts, params)))
-    with Engine(max_total_tokens=2048, tp_size=3) as engine:
+    with Engine(max_total_tokens=2048, tp_size=3, **CPU) as engine:
         got = dict(enumerate(engine.generate(prompts, params)))
     _assert_same(ref, got)
     assert ref[0]["text"] == got[0]["text"]
@@ -170,7 +182,9 @@ def test_every_rank_s_steps_are_traced_exported_per_rank_and_drawn(tmp_path):
     from labkit.trace.export import from_perfetto, to_dataframe
     from labkit.viz import draw_rank_timeline
 
-    with Engine(model_path="tiny-qwen3", load_format="dummy", tp_size=2, enable_trace=True, max_total_tokens=2048) as e:
+    with Engine(
+        model_path="tiny-qwen3", load_format="dummy", tp_size=2, enable_trace=True, max_total_tokens=2048, **CPU
+    ) as e:
         e.generate(input_ids=_workload(256)[:4], sampling_params={"max_new_tokens": 6, "ignore_eos": True})
         tracer = e.tracer
     assert [s.step for s in tracer.rank_steps] == [s.step for s in tracer.steps]
@@ -214,8 +228,8 @@ def test_tp2_loads_sliced_hf_checkpoints_with_biases_and_an_untied_head(name, tm
     hf.save_pretrained(tmp_path)
     prompts = _workload(config.vocab_size, seed=3)[:5]
     params = [{"max_new_tokens": 10, "temperature": 0, "return_logprob": True, "top_logprobs_num": TOP}] * len(prompts)
-    ref, _ = _run(Engine(model_path=str(tmp_path), max_total_tokens=2048), prompts, params)
-    with Engine(model_path=str(tmp_path), max_total_tokens=2048, tp_size=2) as engine:
+    ref, _ = _run(Engine(model_path=str(tmp_path), max_total_tokens=2048, **CPU), prompts, params)
+    with Engine(model_path=str(tmp_path), max_total_tokens=2048, tp_size=2, **CPU) as engine:
         got, _ = _run(engine, prompts, params)
     _assert_same(ref, got)
 

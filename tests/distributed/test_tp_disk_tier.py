@@ -11,7 +11,14 @@ import pytest
 
 from labkit.engine import Engine
 
-COMMON = {"model_path": "tiny-llama", "load_format": "dummy", "random_seed": 3, "max_total_tokens": 384}
+# On CPU (gloo) even where a GPU is present.
+COMMON = {
+    "model_path": "tiny-llama",
+    "load_format": "dummy",
+    "random_seed": 3,
+    "max_total_tokens": 384,
+    "device": "cpu",
+}
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 
 
