@@ -68,7 +68,7 @@ def make_prefix_cache(config: EngineConfig, runner: ModelRunner, on_event: Event
         storage_block=config.hicache_storage_block,
         storage_namespace=storage_namespace(config, runner),
         on_event=on_event,
-        agree=runner.tp.min_int if runner.tp.size > 1 else None,
+        agree=runner.tp.min_int,  # a group of one returns its own count
     )
     cap = config.hicache_storage_size
     logger.info(

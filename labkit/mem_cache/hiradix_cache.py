@@ -68,7 +68,7 @@ class HiRadixCache(RadixCache):
         storage_block: int = 64,
         storage_namespace: str = "",
         on_event: EventHook | None = None,
-        agree: Callable[[int], int] | None = None,
+        agree: Callable[[int], int] = lambda n: n,
     ):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
@@ -82,7 +82,7 @@ class HiRadixCache(RadixCache):
         # With tensor parallelism each rank reads its own files, and a read that fails on one rank
         # must fail on all, or their trees (and schedules) would differ: each disk count is agreed
         # on (the minimum over the ranks, TPGroup.min_int) before it is used.
-        self._agree = agree or (lambda n: n)
+        self._agree = agree
         self.stats = TierStats()
         self._pinned: set[int] = set()  # ids of nodes being loaded back: the host tier keeps them
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, on_event)
