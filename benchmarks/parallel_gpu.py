@@ -19,11 +19,10 @@ import argparse
 import json
 import multiprocessing as mp
 import time
-from types import SimpleNamespace
 
 import torch
 
-from labkit.bench.offline_gpu import bench_labkit, make_workload
+from labkit.bench.offline_gpu import arg_parser, bench_labkit, make_workload
 from labkit.bench.profile_step import profiled
 from labkit.distributed.dp_controller import DataParallelController
 from labkit.engine import Engine
@@ -68,13 +67,9 @@ def logprob_gap(cuda_graph: bool) -> dict:
     return {"same_tokens": f"{same}/{len(prompts)}", "max_logprob_gap": round(max(gaps), 4), "graph_replays": replays}
 
 
-def offline_options(model: str, num_seqs: int = 256) -> SimpleNamespace:
+def offline_options(model: str, num_seqs: int = 256) -> argparse.Namespace:
     """labkit.bench.offline_gpu's defaults."""
-    return SimpleNamespace(
-        model=model, num_seqs=num_seqs, min_len=100, max_len=1024, seed=0, page_size=1, kv_memory_gb=40.0,
-        max_running_requests=256, cuda_graph_max_bs=256, enable_torch_compile=False, torch_compile_max_bs=32,
-        chunked_prefill_size=None,
-    )  # fmt: skip
+    return arg_parser().parse_args(["--model", model, "--num-seqs", str(num_seqs)])
 
 
 def workload(model: str, num_seqs: int = 256) -> tuple[list[list[int]], list[int]]:
@@ -104,16 +99,24 @@ def offline_tp(tp: int, model: str = "llama-3-8b") -> None:
 
 def _dp_replica(gpu: int, model: str, prompts, out_lens, start: mp.Barrier, results: mp.Queue) -> None:
     args = offline_options(model, len(prompts))
-    from labkit.bench.offline_gpu import build_engine, warm_up
+    from labkit.bench.offline_gpu import Profile, build_engine, instrument, warm_up
 
     engine = build_engine(model, args, device=f"cuda:{gpu}")
     warm_up(engine, args, engine.model_runner.vocab_size)
     params = [{**GREEDY, "max_new_tokens": n} for n in out_lens]
+    profile = Profile()
+    resolve = instrument(engine, profile)
     torch.cuda.synchronize()
     start.wait()
     t = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=params)
-    results.put((gpu, time.perf_counter() - t, sum(len(o["output_ids"]) for o in outs)))
+    seconds = time.perf_counter() - t
+    resolve()
+    steps = {
+        mode: {"steps": s.steps, **{k: round(v, 3) for k, v in s.per_step_ms().items()}}
+        for mode, s in (("decode", profile.decode), ("prefill", profile.extend))
+    }
+    results.put((gpu, seconds, sum(len(o["output_ids"]) for o in outs), steps))
 
 
 def offline_dp(num_seqs: int, model: str = "qwen3-0.6b") -> None:
@@ -137,12 +140,13 @@ def offline_dp(num_seqs: int, model: str = "qwen3-0.6b") -> None:
         done = [results.get(timeout=540) for _ in procs]
         for p in procs:
             p.join()
-        seconds = max(s for _, s, _ in done)
-        tokens = sum(n for _, _, n in done)
+        seconds = max(s for _, s, _, _ in done)
+        tokens = sum(n for _, _, n, _ in done)
         emit(
             bench="offline_dp", model=model, num_seqs=num_seqs, dp_size=dp, out_tokens=tokens,
             seconds=round(seconds, 2), out_tok_s=round(tokens / seconds),
-            replica_seconds=[round(s, 2) for _, s, _ in sorted(done)],
+            replica_seconds=[round(s, 2) for _, s, _, _ in sorted(done)],
+            replica_steps_ms=[steps for _, _, _, steps in sorted(done)],
         )  # fmt: skip
 
 

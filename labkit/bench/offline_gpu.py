@@ -71,6 +71,22 @@ class StepStats:
     kv_tokens_read: int = 0  # decode: sum of seq_lens (KV rows every step must read)
     graph_steps: int = 0
 
+    def per_step_ms(self) -> dict[str, float]:
+        """Milliseconds per step: wall, forward and sampling GPU time and host call time, the rest of
+        the step on the host (with its wait for the GPU), and the GPU's idle time (wall - GPU time)."""
+        k = 1e3 / max(self.steps, 1)
+        gpu = self.forward_gpu + self.sample_gpu
+        rest = self.wall - self.forward_call - self.sample_call
+        return {
+            "wall": self.wall * k,
+            "fwd_gpu": self.forward_gpu * k,
+            "smpl_gpu": self.sample_gpu * k,
+            "fwd_call": self.forward_call * k,
+            "smpl_call": self.sample_call * k,
+            "rest_cpu": rest * k,
+            "gpu_idle": (self.wall - gpu) * k,
+        }
+
 
 @dataclass
 class Profile:
@@ -428,12 +444,10 @@ def print_report(
     for name, s in (("decode", d), ("prefill", e)):
         if not s.steps:
             continue
-        k = 1e3 / s.steps
-        rest = s.wall - s.forward_call - s.sample_call
-        idle = s.wall - s.forward_gpu - s.sample_gpu
+        b = s.per_step_ms()
         print(
-            f"{name:7} {s.steps:6d} {s.wall * k:7.3f} {s.forward_gpu * k:8.3f} {s.sample_gpu * k:9.3f} "
-            f"{s.forward_call * k:9.3f} {s.sample_call * k:10.3f} {rest * k:9.3f} {idle * k:9.3f} "
+            f"{name:7} {s.steps:6d} {b['wall']:7.3f} {b['fwd_gpu']:8.3f} {b['smpl_gpu']:9.3f} "
+            f"{b['fwd_call']:9.3f} {b['smpl_call']:10.3f} {b['rest_cpu']:9.3f} {b['gpu_idle']:9.3f} "
             f"{s.tokens / s.steps:9.1f}"
         )
     print(
@@ -454,7 +468,8 @@ def print_report(
             print(f"{model:14} {variant:>14} {ms:9.3f} {floor_ms:9.3f}")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def arg_parser() -> argparse.ArgumentParser:
+    """The command line; its defaults are the workload and engine options other benchmarks reuse."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-0.6b", help="a data/configs name (random weights)")
     ap.add_argument("--num-seqs", type=int, default=256)
@@ -489,6 +504,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch1-input", type=int, default=512)
     ap.add_argument("--batch1-output", type=int, default=256)
     ap.add_argument("--json", help="also write the results to this JSON file")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = arg_parser()
     args = ap.parse_args(argv)
     unknown = set(args.batch1_variants.split(",")) - set(BATCH1_VARIANTS)
     if unknown:

@@ -3,12 +3,15 @@ of a full batch and for prompt-chunk (extend) steps.
 
     python -m labkit.bench.profile_step [--model qwen3-0.6b] [--batch 256] [--context 800]
                                         [--chunked-prefill-size N] [--steps 20] [--no-graphs]
+                                        [--tp-size N] [--overlap]
 
 A random-weight engine is given --batch requests of --context random prompt tokens each (EOS
 ignored). The prompt chunks are profiled as they run, then --steps decode steps of the whole batch
 (replayed from a CUDA graph unless --no-graphs). Each kernel is put in a group by its name (matrix
 products, attention, norms, rotary, activation, KV store, sampling, copies) and the table shows
 device milliseconds per step, next to the step's wall time, so the gap is host/launch time.
+Overlap scheduling is off unless --overlap (then a step's wall time is the larger of its host and
+device time). With --tp-size N the profile is rank 0's (the followers run in processes of their own).
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def profiled(
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         while more():
-            engine.step()
+            engine.step(count_pool=False)
             steps += 1
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) * 1e3
@@ -113,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--enable-torch-compile", action="store_true")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--top", type=int, default=15, help="kernels listed per table")
+    ap.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (rank 0 is profiled)")
+    ap.add_argument("--overlap", action="store_true", help="keep overlap scheduling on")
     args = ap.parse_args(argv)
 
     engine = Engine(
@@ -127,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
         enable_torch_compile=args.enable_torch_compile,
         torch_compile_max_bs=args.batch,
         attention_backend=args.attention_backend,
-        disable_overlap_schedule=True,
+        disable_overlap_schedule=not args.overlap,
+        tp_size=args.tp_size,
     )
     rng = random.Random(0)
     vocab = engine.model_runner.vocab_size
@@ -152,7 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     stop = engine.scheduler.step_id + args.steps
     groups, kernels, wall, steps = profiled(engine, lambda: engine.scheduler.step_id < stop)
     mode = "eager" if args.no_graphs else "CUDA graph"
-    report(f"decode, batch {args.batch}, context ~{args.context}, {mode}", groups, kernels, wall, steps, args.top)
+    title = f"decode, batch {args.batch}, context ~{args.context}, {mode}, tp_size {args.tp_size}"
+    report(title + (", overlap" if args.overlap else ""), groups, kernels, wall, steps, args.top)
+    engine.shutdown()
 
 
 if __name__ == "__main__":
