@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,10 +28,13 @@ class Attention(nn.Module):
             head_dim=head_dim,
             scaling=head_dim**-0.5 if scaling is None else scaling,
         )
+        # The backend call as compiled graphs see it: set by compile_with_eager_attention.
+        self.backend_forward_outside_graphs: Callable[..., torch.Tensor] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         s = self.spec
-        return _backend_forward(
+        backend_forward = self.backend_forward_outside_graphs if torch.compiler.is_compiling() else None
+        return (backend_forward or _backend_forward)(
             q.view(-1, s.num_heads, s.head_dim),
             k.view(-1, s.num_kv_heads, s.head_dim),
             v.view(-1, s.num_kv_heads, s.head_dim),
@@ -42,8 +46,19 @@ class Attention(nn.Module):
 # --enable-torch-compile compiles what lies between the attention calls (norms, rotary, MLP); the
 # backends run their own kernels and keep Python state (metadata, per-request loops) that
 # torch.compile would only guard on and recompile for.
-@torch.compiler.disable
 def _backend_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionLayerSpec, forward_batch: ForwardBatch
 ) -> torch.Tensor:
     return forward_batch.attn_backend.forward(q, k, v, spec, forward_batch)
+
+
+def compile_with_eager_attention(model: nn.Module) -> Callable[..., torch.Tensor]:
+    """torch.compile(model), with every Attention layer's backend call left out of the graphs. The
+    exclusion (torch.compiler.disable) is made here rather than as a decorator because it imports
+    torch._dynamo: about a second of start-up in every process (the server's three included) that
+    only a compiling engine needs. It must exist before any trace: it cannot be made inside one."""
+    outside_graphs = torch.compiler.disable(_backend_forward)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.backend_forward_outside_graphs = outside_graphs
+    return torch.compile(model)

@@ -17,7 +17,7 @@ from labkit.attention import AttentionBackendConfig, get_attention_backend, reso
 from labkit.config import EngineConfig, ranks_per_node
 from labkit.constrained.bitmask import VocabMask
 from labkit.distributed.parallel_state import TPGroup
-from labkit.layers.attention import Attention
+from labkit.layers.attention import Attention, compile_with_eager_attention
 from labkit.layers.linear import LinearBase
 from labkit.mem_cache.allocator import TokenToKVPoolAllocator
 from labkit.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, is_fp8, kv_cache_dtype
@@ -248,7 +248,7 @@ class ModelRunner:
         )
         self._enable_custom_all_reduce()
         # Shapes specialize at first and turn dynamic on the first recompile (torch's default).
-        self.compiled_model = torch.compile(self.model) if config.enable_torch_compile else None
+        self.compiled_model = compile_with_eager_attention(self.model) if config.enable_torch_compile else None
         self.cuda_graph_runner: CudaGraphRunner | None = self._build_cuda_graph_runner()
 
     def _use_checkpoint_kv_scales(self) -> None:
