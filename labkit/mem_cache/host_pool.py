@@ -50,11 +50,12 @@ class HostKVPool(Summarized):
     whole pages, page 0 reserved like the device's).
 
     On CUDA the tensors are pinned and the copies are GPU kernels on a side stream reading or writing
-        them in place (cuda_view_of_pinned). Guarantees: after `backup` or `load` returns, every forward the
-    compute stream runs later sees the copy done (it waits for the side stream): the device slots a
-    backup read can be reused, the slots a load filled can be read. A load starts after the work
-    already queued; a backup (of cached KV, final by then) overlaps it. The host goes on at once.
-    `read_host` waits for the backups still writing."""
+    them in place (cuda_view_of_pinned). Guarantees: a copy starts after the work already queued on the
+    compute stream (a write_through backup follows the forward, still in flight, that computes its KV;
+    a load's fresh slots may still be written by a finished request's last step), and after `backup`
+    or `load` returns, every forward the compute stream runs later sees the copy done (it waits for
+    the side stream): the device slots a backup read can be reused, the slots a load filled can be
+    read. The host goes on at once. `read_host` waits for the backups still writing."""
 
     def __init__(self, device_pool: TokenToKVPool, size: int):
         page = device_pool.page_size
@@ -111,6 +112,7 @@ class HostKVPool(Summarized):
         if self.stream is None:
             self.write_host(host_indices, *self.read_device(device_indices))
             return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             src = device_indices.to(self.device, non_blocking=True)
             dst = host_indices.to(self.device, non_blocking=True)
@@ -125,8 +127,6 @@ class HostKVPool(Summarized):
         if self.stream is None:
             self.write_device(device_indices, *self.read_host(host_indices))
             return
-        # Freshly allocated slots may still be written by a forward already queued (a request that
-        # finished while its next step was in flight): the copy goes after it.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             dst = device_indices.to(self.device, non_blocking=True)
