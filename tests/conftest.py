@@ -18,6 +18,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Groups for `pytest -n 2 --dist loadgroup` (CI's slow lane): a test without an xdist_group of its
+    own runs with the rest of its module, whose module-scoped servers and engines it shares. The
+    notebooks set one group each (tests/test_notebooks.py), so two run at once."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(scope="session")
 def embedded_dir():
     from labkit.model_loader.embedded import embedded_model_dir

@@ -76,7 +76,9 @@ def test_notebook_is_stored_without_outputs(path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", [pytest.param(p, marks=pytest.mark.xdist_group(p.stem)) for p in NOTEBOOKS], ids=lambda p: p.stem
+)
 def test_notebook_runs_top_to_bottom(path, kernel_spec_dir):
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import KernelManager
