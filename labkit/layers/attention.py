@@ -33,8 +33,10 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         s = self.spec
-        backend_forward = self.backend_forward_outside_graphs if torch.compiler.is_compiling() else None
-        return (backend_forward or _backend_forward)(
+        call = _backend_forward
+        if torch.compiler.is_compiling() and self.backend_forward_outside_graphs is not None:
+            call = self.backend_forward_outside_graphs
+        return call(
             q.view(-1, s.num_heads, s.head_dim),
             k.view(-1, s.num_kv_heads, s.head_dim),
             v.view(-1, s.num_kv_heads, s.head_dim),
