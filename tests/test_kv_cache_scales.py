@@ -80,8 +80,9 @@ def big_kv_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def float_run(big_kv_checkpoint) -> tuple[torch.Tensor, list[float], list[float]]:
-    """A float32 pool's prompt logprobs, and each layer's largest |K| and |V| that it stored (read from
-    the pool afterwards: the triton backend stores through its kernel, not set_kv_buffer)."""
+    """A pool in the model's dtype (float32 on CPU): its prompt logprobs, and each layer's largest |K|
+    and |V| that it stored (read from the pool afterwards: the triton backend stores through its
+    kernel, not set_kv_buffer)."""
     engine = Engine(model_path=str(big_kv_checkpoint), **CHUNKED)
     pool = engine.model_runner.token_to_kv_pool
     logprobs = prompt_logprobs(engine)
