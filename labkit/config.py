@@ -202,13 +202,13 @@ class EngineConfig:
             "while (0: never stop)"
         },
     )
-    speculative_min_batch_gain: float = field(
-        default=1.0,
+    speculative_min_batch_gain: float | None = field(
+        default=None,
         metadata={
             "help": "a decode step drafts only if its drafting requests are expected (recent acceptance rate x "
-            "drafts) to gain at least this many tokens per request of the batch; a verify step gives up the "
-            "whole batch's overlap and cost about 2 overlapped decode steps on an H100 (docs/benchmarks.md), so "
-            "it pays from about 1 (0: whenever a request drafts)"
+            "drafts) to gain at least this many tokens per request of the batch (0: whenever a request drafts); "
+            "none: the break-even measured from this engine's own decode and verify step times (a verify step "
+            "gives up the batch's overlap; labkit.speculative.step_costs)"
         },
     )
     # Parallelism

@@ -1,26 +1,30 @@
 """Speculative decoding's speed-up: the same greedy requests without speculation and with each
 drafter, on a copy-heavy workload and on plain chat.
 
-    python -m labkit.bench.speculative [--algorithms ngram draft] [--batch-sizes 1 16] [--num-draft-tokens 4]
+    python -m labkit.bench.speculative [--algorithms ngram draft] [--workloads copy chat] [--batch-sizes 1 16]
+                                       [--num-draft-tokens 4] [--min-batch-gain G]
                                        [--output-len 128] [--repeats 3] [--min-requests 4] [--device auto]
                                        [--dtype auto]
                                        [--draft-model-path PATH] [--json out.json]
                                        [--model-path smollm2-135m --load-format dummy --tokenizer-path DIR]
 
 Workloads (data/workloads/speculative.json, chat prompts of the embedded model): `copy` asks the model
-to repeat or correct a short text given in the prompt, the case n-gram drafting serves; `chat` asks
-short questions with nothing to copy. Batch size b: at least --min-requests requests (a multiple of b),
-submitted b at a time through `Engine.generate(list)`, groups one after another. Greedy, EOS allowed:
-output tokens/s counts the tokens each request actually produced, and every speculative output is
-checked against the plain one of the same round (greedy: they should be equal; `mismatch` counts the
-requests that differed in any round). Every engine is warmed up once; rounds alternate the engines, so
-a shared machine's slow spells hit them alike; the cache is flushed before each run. Acceptance length
-= (accepted drafts + verify steps) / verify steps, the tokens one verify forward yields; acceptance
-rate = accepted / drafted. The `draft` drafter defaults to the embedded model drafting for itself (no
-smaller model shares SmolLM2's tokenizer offline): an upper bound on acceptance at about twice the
-compute per token. Overlap scheduling and CUDA graphs stay the engine's defaults: on CUDA the plain
-engine overlaps every step, the speculative one every step that does not draft (a drafting step waits
-for the tokens in flight).
+to repeat or correct a paragraph given in the prompt (three of the file's short texts), the case
+n-gram drafting serves; `chat` asks short questions with nothing to copy. Batch size b: at least
+--min-requests requests (a multiple of b), submitted b at a time through `Engine.generate(list)`,
+groups one after another. Greedy, EOS allowed: output tokens/s counts the tokens each request
+actually produced, and every speculative output is checked against the plain one of the same round
+(greedy: they should be equal; `mismatch` counts the requests that differed in any round). Every
+engine is warmed up once; rounds alternate the engines, so a shared machine's slow spells hit them
+alike; the cache is flushed before each run. Acceptance length = (accepted drafts + verify steps) /
+verify steps, the tokens one verify forward yields; acceptance rate = accepted / drafted; from
+drafts = accepted / output tokens, how much of the output verify steps took from the drafts (what
+makes a workload copy-heavy). The `draft` drafter defaults to the embedded model drafting for itself
+(no smaller model shares SmolLM2's tokenizer offline): an upper bound on acceptance at about twice
+the compute per token. Overlap scheduling and CUDA graphs stay the engine's defaults: on CUDA the
+plain engine overlaps every step, the speculative one every step that does not draft (a drafting
+step waits for the tokens in flight). After the table, each speculative engine's measured step
+times and break-even (labkit.speculative.step_costs).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ from labkit.tokenizer.prompt import encode_prompt
 
 WORKLOAD_FILE = Path(__file__).resolve().parents[2] / "data" / "workloads" / "speculative.json"
 PLAIN = "plain"
+# Texts per copy prompt: one text (about 45 tokens) makes an answer whose preamble and prefill weigh
+# as much as the copy; three make it a paragraph the answer mostly copies.
+TEXTS_PER_COPY = 3
 DRAFT_NOTE = (
     "draft: the embedded model drafts for itself (no smaller model shares its tokenizer offline), an upper "
     "bound on acceptance at about twice the compute per token"
@@ -61,18 +68,20 @@ class Row:
     speedup: float  # median tok/s over plain's
     accept_len: float  # (accepted + verify steps) / verify steps; 1.0 for plain
     accept_rate: float  # accepted / drafted
+    from_drafts: float  # accepted / output tokens
     verify_steps: float  # per request
     mismatches: int  # requests whose output differed from plain's in some round
 
 
 def chat_workloads(path: Path = WORKLOAD_FILE) -> dict[str, list[list[Message]]]:
-    """Workload name -> its chat prompts: `copy` (an instruction and a text, instructions in turn)
-    and `chat` (questions)."""
+    """Workload name -> its chat prompts: `copy` (an instruction, in turn, and a paragraph of
+    TEXTS_PER_COPY consecutive texts) and `chat` (questions)."""
     data = json.loads(path.read_text())
-    instructions = data["copy_instructions"]
+    instructions, texts = data["copy_instructions"], data["copy_texts"]
+    paragraphs = [" ".join(texts[(i + j) % len(texts)] for j in range(TEXTS_PER_COPY)) for i in range(len(texts))]
     copy = [
-        [{"role": "user", "content": f"{instructions[i % len(instructions)]}\n\n{text}"}]
-        for i, text in enumerate(data["copy_texts"])
+        [{"role": "user", "content": f"{instructions[i % len(instructions)]}\n\n{paragraph}"}]
+        for i, paragraph in enumerate(paragraphs)
     ]
     chat = [[{"role": "user", "content": q}] for q in data["chat_questions"]]
     return {"copy": copy, "chat": chat}
@@ -84,13 +93,18 @@ def tokenize_workloads(engine: Engine, workloads: dict[str, list[list[Message]]]
 
 
 def make_engines(
-    algorithms: list[str], num_draft_tokens: int, draft_model_path: str | None = None, **engine_kw: Any
+    algorithms: list[str],
+    num_draft_tokens: int,
+    draft_model_path: str | None = None,
+    min_batch_gain: float | None = None,
+    **engine_kw: Any,
 ) -> dict[str, Engine]:
     """The plain engine and one per algorithm that can be built; one that cannot (a draft model that is
     missing or has another vocabulary) is skipped with a line saying why."""
     engines = {PLAIN: Engine(**engine_kw)}
     for algorithm in algorithms:
         spec_kw: dict[str, Any] = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": num_draft_tokens}
+        spec_kw["speculative_min_batch_gain"] = min_batch_gain
         if algorithm == "draft" and draft_model_path is not None:
             spec_kw["speculative_draft_model_path"] = draft_model_path
             spec_kw["speculative_draft_load_format"] = engine_kw.get("load_format", "auto")
@@ -175,6 +189,7 @@ def _row(
         speedup=rate / plain_rate,
         accept_len=(accepted + verify) / verify if verify else 1.0,
         accept_rate=accepted / drafted if drafted else 0.0,
+        from_drafts=accepted / max(1, sum(m["completion_tokens"] for m in metas)),
         verify_steps=verify / len(outs),
         mismatches=mismatches,
     )
@@ -183,12 +198,13 @@ def _row(
 def markdown_table(rows: list[Row]) -> str:
     lines = [
         "| workload | batch | algorithm | requests | out tokens | out tok/s (min-max) | speed-up | accept len "
-        "| accept rate | verify steps/req | mismatch |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| accept rate | from drafts | verify steps/req | mismatch |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         spec = r.algorithm != PLAIN
-        accept = f"{r.accept_len:.2f} | {r.accept_rate:.0%} | {r.verify_steps:.1f}" if spec else "- | - | -"
+        accept = f"{r.accept_len:.2f} | {r.accept_rate:.0%} | {r.from_drafts:.0%} | {r.verify_steps:.1f}"
+        accept = accept if spec else "- | - | - | -"
         lines.append(
             f"| {r.workload} | {r.batch_size} | {r.algorithm} | {r.requests} | {r.output_tokens} "
             f"| {r.tok_s:.1f} ({r.tok_s_min:.1f}-{r.tok_s_max:.1f}) | {r.speedup:.2f}x | {accept} "
@@ -200,8 +216,15 @@ def markdown_table(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> list[Row]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--algorithms", nargs="+", default=["ngram", "draft"])
+    ap.add_argument("--workloads", nargs="+", default=["copy", "chat"], choices=["copy", "chat"])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument(
+        "--min-batch-gain",
+        type=float,
+        default=None,
+        help="the engines' --speculative-min-batch-gain (default: none, the break-even measured from step times)",
+    )
     ap.add_argument("--output-len", type=int, default=128, help="max_new_tokens (EOS allowed)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; the median counts")
     ap.add_argument("--min-requests", type=int, default=4, help="fewest requests per run (batch 1: one by one)")
@@ -222,8 +245,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
     engine_kw = {"device": args.device, "dtype": args.dtype, "model_path": args.model_path}
     engine_kw["load_format"] = args.load_format
     engine_kw["tokenizer_path"] = args.tokenizer_path
-    engines = make_engines(args.algorithms, args.num_draft_tokens, args.draft_model_path, **engine_kw)
-    workloads = tokenize_workloads(engines[PLAIN], chat_workloads())
+    engines = make_engines(
+        args.algorithms, args.num_draft_tokens, args.draft_model_path, args.min_batch_gain, **engine_kw
+    )
+    chats = {name: prompts for name, prompts in chat_workloads().items() if name in args.workloads}
+    workloads = tokenize_workloads(engines[PLAIN], chats)
     rows = bench(engines, workloads, args.batch_sizes, args.output_len, args.repeats, args.min_requests)
 
     runner = engines[PLAIN].model_runner
@@ -235,6 +261,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
         f"{args.num_draft_tokens} draft tokens; median of {args.repeats} rounds\n"
     )
     print(markdown_table(rows))
+    for name, engine in engines.items():
+        if name != PLAIN:  # what the measured rule saw (the last round's steps)
+            timed = engine.scheduler.step_costs.summary() or ["no batch size timed both as decode and verify"]
+            print(f"\n{name} step times: " + "; ".join(timed))
     if "draft" in engines and args.draft_model_path is None:
         print(f"\n{DRAFT_NOTE}")
     print(f"\ntotal {time.perf_counter() - start:.0f} s")

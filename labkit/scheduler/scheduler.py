@@ -32,6 +32,7 @@ from labkit.scheduler.schedule_policy import PrefillAdder, SchedulePolicy, make_
 from labkit.scheduler.scheduler_metrics import SchedulerMetricsMixin
 from labkit.scheduler.speculation import SchedulerSpecMixin
 from labkit.scheduler.tp_sync import SchedulerCall, SchedulerTPMixin
+from labkit.speculative.step_costs import RealizedGains, StepCosts
 from labkit.trace.events import Station
 from labkit.trace.recorder import Tracer
 
@@ -120,6 +121,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         self.new_token_ratio = self.init_new_token_ratio
         self.step_id = 0
         self.drafter = self._make_drafter()
+        self.step_costs = StepCosts()
+        self.realized_gains = RealizedGains()
+        self.spec_attempt = False  # this step gave up the overlap to draft (labkit.scheduler.speculation)
         # Overlap scheduling: the batch launched last step, whose tokens the host has not taken yet.
         # With speculation, a step that drafts waits for them first (drafts follow the newest tokens).
         on_cuda = model_runner.device.type == "cuda"
@@ -253,6 +257,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         self.step_id += 1
         start = time.perf_counter()
         self._release_aborted()
+        self.spec_attempt = False
         out = StepOutput(step=self.step_id, forward_mode=ForwardMode.IDLE, finished=self.aborted)
         self.aborted = []
         batch = self.get_next_batch_to_run(out)
@@ -272,6 +277,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
             self.in_flight = (batch, launched) if batch.sampled_rows else None
             if not self.overlap:
                 self._take_in_flight(out, None)
+        if self.drafter is not None and batch is not None:
+            self.record_spec_step(batch, time.perf_counter() - start)
         if self.tracer is not None:
             self._trace_step(self.tracer, out, start)
             self.gather_step_records()
@@ -389,6 +396,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
             and self.worth_drafting(self.running, self.draft_budgets(self.running))
         ):
             self._take_in_flight(out, None)  # drafts follow the tokens still on their way
+            self.spec_attempt = True  # the overlap is lost, whether or not a verify step follows
         if decode_slots_needed(self.running, self.page_size) > self._reclaimable():
             out.retracted = self.retract_decode()
             self.new_token_ratio = self.init_new_token_ratio

@@ -13,6 +13,7 @@ import torch
 from labkit.model_executor.forward_batch import ForwardMode
 from labkit.scheduler.batch_memory import alloc_for_verify, rejected_slots
 from labkit.speculative.base import Drafter, LeaderDrafts, get_drafter
+from labkit.speculative.step_costs import RealizedGains, StepCosts
 from labkit.speculative.verify import accept, verify_rows
 
 if TYPE_CHECKING:
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from labkit.scheduler.scheduler import StepOutput
 
 
+DEFAULT_BREAK_EVEN = 1.0  # accepted drafts per request, before this batch size's steps were timed
+
+
 class SchedulerSpecMixin:
     """Mixed into Scheduler, which provides the state and methods declared below."""
 
@@ -38,6 +42,9 @@ class SchedulerSpecMixin:
     step_id: int
     max_req_len: int
     drafter: Drafter | None
+    step_costs: StepCosts
+    realized_gains: RealizedGains
+    spec_attempt: bool
 
     tp: TPGroup
 
@@ -54,6 +61,11 @@ class SchedulerSpecMixin:
         k = self.config.speculative_num_draft_tokens
         if k < 1:
             raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {k}")
+        rate, gain = self.config.speculative_min_accept_rate, self.config.speculative_min_batch_gain
+        if not 0 <= rate <= 1:
+            raise ValueError(f"speculative_min_accept_rate must be in [0, 1], got {rate}")
+        if gain is not None and gain < 0:
+            raise ValueError(f"speculative_min_batch_gain must be >= 0 (or unset: measured), got {gain}")
         drafter = get_drafter(name)  # an unknown name fails on every rank
         return (drafter if self.tp.is_leader else LeaderDrafts)(self.config, self.model_runner)
 
@@ -73,23 +85,53 @@ class SchedulerSpecMixin:
     def draft_budgets(self, reqs: list[Req]) -> list[int]:
         """Drafts each request may take now: none while paused or under a grammar (its matcher
         cannot look ahead), and never past max_new_tokens or the context (the last kept token is
-        the target's own)."""
+        the target's own). With CUDA graphs, where the batch's decode step fits the largest graph,
+        no more in all than lets the verify step fit it too (an eager forward costs many replays),
+        requests with the best recent acceptance rates first."""
         k = self.config.speculative_num_draft_tokens
         budgets = []
         for r in reqs:
             room = min(r.sampling_params.max_new_tokens - len(r.output_ids), self.max_req_len - r.seqlen)
             drafting = r.grammar is None and r.spec.drafting(self.step_id)
             budgets.append(max(0, min(k, room - 1)) if drafting else 0)
+        graphs = self.model_runner.cuda_graph_runner
+        if graphs is not None and len(reqs) <= graphs.max_bs:
+            spare = graphs.max_bs - len(reqs)
+            for i in sorted(range(len(reqs)), key=lambda i: -reqs[i].spec.recent_rate):
+                budgets[i] = min(budgets[i], spare)
+                spare -= budgets[i]
         return budgets
 
     def worth_drafting(self, reqs: list[Req], budgets: list[int]) -> bool:
-        """Whether drafting pays for this batch: the tokens its requests are expected to gain (each
-        one's recent acceptance rate times its drafts) reach speculative_min_batch_gain per request.
+        """Whether drafting pays for this batch: the tokens its requests are expected to gain reach
+        the break-even gain per request of the batch. Expected: each request's recent acceptance rate
+        times its drafts, and, in a batch of several, no more than what the recent verify steps of
+        such batches realized (labkit.speculative.step_costs.RealizedGains).
+        Break-even: speculative_min_batch_gain when set, else what this machine's step times say
+        (labkit.speculative.step_costs; 1.0 until both kinds of step were timed at this batch size).
         One drafting request makes the whole batch a verify step, which cannot overlap."""
         if not any(budgets):
             return False
         expected = sum(r.spec.recent_rate * b for r, b in zip(reqs, budgets))
-        return expected >= self.config.speculative_min_batch_gain * len(reqs)
+        fixed = self.config.speculative_min_batch_gain
+        if fixed is not None:
+            return expected >= fixed * len(reqs)
+        realized = self.realized_gains.recent(self.step_id) if len(reqs) > 1 else None
+        if realized is not None:  # alone, a request's rate is what its verify steps realized
+            expected = min(expected, realized * len(reqs))
+        return expected >= self.step_costs.break_even(len(reqs), DEFAULT_BREAK_EVEN) * len(reqs)
+
+    def record_spec_step(self, batch: ScheduleBatch, seconds: float) -> None:
+        """Time the step for the break-even (the leader's clock only). A step that waited for the
+        tokens in flight in order to draft and then found nothing to verify (no drafts, no free
+        pages) costs what a verify step costs in overlap and gains nothing: it counts as a verify
+        step that realized no gain."""
+        mode = batch.forward_mode
+        if self.spec_attempt and mode == ForwardMode.DECODE:
+            self.realized_gains.record(self.step_id, len(batch.reqs), 0)
+            mode = ForwardMode.TARGET_VERIFY
+        if self.tp.is_leader:
+            self.step_costs.record(mode, len(batch.reqs), seconds)
 
     def prepare_verify(self, batch: ScheduleBatch) -> bool:
         """Make a DECODE batch a TARGET_VERIFY one: its requests' drafts, their KV slots and the
@@ -146,6 +188,7 @@ class SchedulerSpecMixin:
                 out.drafts[req.rid], out.accepted[req.rid] = draft, accepted
             if req.finished():
                 finished.append(req)
+        self.realized_gains.record(self.step_id, len(batch.reqs), sum(out.accepted.values()))
         # One free for the batch (a free costs a few tensor ops, whatever its size), before the
         # finished requests hand the rest of their KV to the cache.
         self.allocator.free(torch.cat(rejected))

@@ -6,8 +6,9 @@ broadcasts what was queued, with "step", over the group's CPU (gloo) group. A fo
 inputs through the same methods, in the same order, then steps: same queue, same radix tree, same
 pool, same batches, each rank computing its own heads. Only the leader reports outputs.
 
-Scheduling decisions read no clocks and no per-process randomness (policies are seeded), so equal
-inputs give equal decisions; sampling uses the same seeds on every rank, so the sampled tokens
+Scheduling decisions read no per-process randomness (policies are seeded) and no clock but the
+leader's step times, whose table each packet carries (speculative decoding), so equal inputs give
+equal decisions; sampling uses the same seeds on every rank, so the sampled tokens
 agree (tests/distributed check both)."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from labkit.io_struct import AbortReq, TokenizedGenerateReqInput, TraceChunk
 
 if TYPE_CHECKING:
     from labkit.distributed.parallel_state import TPGroup
+    from labkit.speculative.step_costs import StepCosts
     from labkit.trace.recorder import Tracer
 
 
@@ -37,6 +39,9 @@ class StepPacket(msgspec.Struct, kw_only=True):
     inputs: list[TokenizedGenerateReqInput | AbortReq | SchedulerCall]
     step: bool = False
     stop: bool = False
+    # Speculative decoding: the leader's measured break-even table (StepCosts.table), which the
+    # followers decide by: step times are the one clock reading a scheduling decision depends on.
+    spec_break_even: dict[int, float] | None = None
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -50,6 +55,7 @@ class SchedulerTPMixin:
 
     tp: TPGroup
     tracer: Tracer | None
+    step_costs: StepCosts
     _tp_outbox: list[TokenizedGenerateReqInput | AbortReq | SchedulerCall]
 
     def _mirror(self, msg: TokenizedGenerateReqInput | AbortReq | SchedulerCall) -> None:
@@ -62,7 +68,8 @@ class SchedulerTPMixin:
         calls it while idle too, so the followers never wait long in a collective."""
         if self.tp.size == 1 or not self.tp.is_leader:
             return
-        packet = StepPacket(inputs=self._tp_outbox, step=step, stop=stop)
+        costs = self.step_costs.table or None  # empty without speculation
+        packet = StepPacket(inputs=self._tp_outbox, step=step, stop=stop, spec_break_even=costs)
         self._tp_outbox = []
         self.tp.broadcast_bytes(_ENCODER.encode(packet))
 
@@ -75,6 +82,8 @@ class SchedulerTPMixin:
                 self._replay(msg)
             if packet.stop:
                 return
+            if packet.spec_break_even is not None:
+                self.step_costs.table = packet.spec_break_even
             if packet.step:
                 self.step()  # type: ignore[attr-defined]  # Scheduler.step
 

@@ -1,9 +1,15 @@
-"""The n-gram drafter (prompt lookup): the tokens that followed the latest earlier occurrence of the
+"""The n-gram drafter (prompt lookup): the tokens that followed an earlier occurrence of the
 context's last n tokens, longest n first. Free to run and right exactly where outputs copy their
-input: rewriting, quoting, editing code, continuing a list."""
+input: rewriting, quoting, editing code, continuing a list.
+
+Which occurrence: the latest, unless the request's output has been copying from somewhere (its
+anchor: where the copy stands in the ids). Then the first occurrence at or after the anchor, so that
+after a small edit (a comma the copy adds, a word it replaces) a short n-gram such as "it" finds its
+place in the text being copied rather than its latest use anywhere."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,13 +26,13 @@ SHARED_CONTEXTS = 64  # finished requests' ids kept for --speculative-ngram-shar
 
 @dataclass
 class NgramIndex:
-    """For one token sequence: where each n-gram (min_n <= n <= max_n) last ended, indexed as the
+    """For one token sequence: where each n-gram (min_n <= n <= max_n) ended, indexed as the
     sequence grows. `lookup` never matches the sequence's own suffix with itself."""
 
     min_n: int
     max_n: int
     ids: list[int] = field(default_factory=list)
-    last_end: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end of its latest occurrence
+    ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # n-gram -> its ends, ascending
 
     def extend(self, new_ids: Sequence[int]) -> None:
         """Append `new_ids` to the sequence and index what they complete (O(new ids) per call)."""
@@ -35,21 +41,46 @@ class NgramIndex:
         # Index n-grams ending before the newest position only: the newest one is the query.
         for end in range(max(start, 1), len(self.ids)):
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                self.last_end[tuple(self.ids[end - n : end])] = end
+                self.ends.setdefault(tuple(self.ids[end - n : end]), []).append(end)
 
-    def lookup(self, suffix: Sequence[int], k: int) -> list[int]:
-        """k tokens that followed the latest earlier occurrence of the longest matching tail of
-        `suffix` (empty when none of its tails occurred). Where that continuation reaches the end
-        of the ids, it goes on with its own first tokens: the text repeats with the period it
-        showed (a loop of p tokens drafts k, not the p - 1 it has seen)."""
+    def lookup(self, suffix: Sequence[int], k: int, anchor: int | None = None) -> tuple[list[int], int]:
+        """k tokens that followed an earlier occurrence of the longest matching tail of `suffix`, and
+        where they start in the ids; ([], -1) when none of its tails occurred. The occurrence is the
+        first ending at or after `anchor`, else the latest. Where the continuation reaches the end
+        of the ids, it goes on with its own first tokens: the text repeats with the period it showed
+        (a loop of p tokens drafts k, not the p - 1 it has seen)."""
         for n in range(min(self.max_n, len(suffix)), self.min_n - 1, -1):
-            end = self.last_end.get(tuple(suffix[len(suffix) - n :]))
-            if end is not None:
+            ends = self.ends.get(tuple(suffix[len(suffix) - n :]))
+            if ends:
+                at = bisect_left(ends, anchor) if anchor is not None else len(ends)
+                end = ends[at] if at < len(ends) else ends[-1]
                 out = self.ids[end : end + k]
                 while len(out) < k:
                     out.append(out[len(out) - (len(self.ids) - end)])
-                return out
-        return []
+                return out, end
+        return [], -1
+
+
+@dataclass
+class Copying:
+    """Where a request's output copies from: its last draft, where that draft was taken from in the
+    request's ids, how long the ids were then, and the anchor it left."""
+
+    draft: list[int] = field(default_factory=list)
+    source: int = -1
+    drafted_at: int = 0
+    anchor: int | None = None
+
+    def follow(self, ids: Sequence[int]) -> int | None:
+        """The anchor after the tokens the request gained since its last draft: the source position
+        of the first draft token it did not keep, when it kept some; else where it was."""
+        gained = ids[self.drafted_at :]
+        kept = next(
+            (i for i, (g, d) in enumerate(zip(gained, self.draft)) if g != d), min(len(gained), len(self.draft))
+        )
+        if kept and self.source >= 0:
+            self.anchor = self.source + kept
+        return self.anchor
 
 
 @register_drafter("ngram")
@@ -64,6 +95,7 @@ class NgramDrafter(Drafter):
         self.min_n, self.max_n = config.speculative_ngram_min_n, config.speculative_ngram_max_n
         self.share = config.speculative_ngram_share
         self.indexes: dict[str, NgramIndex] = {}  # rid -> its context's index
+        self.copying: dict[str, Copying] = {}  # rid -> where its output copies from
         self.shared: OrderedDict[str, NgramIndex] = OrderedDict()  # finished requests' (share only)
 
     def propose(self, reqs: Sequence[DraftReq], budgets: Sequence[int]) -> list[list[int]]:
@@ -73,12 +105,14 @@ class NgramDrafter(Drafter):
                 drafts.append([])
                 continue
             index = self._synced(req)
+            copying = self.copying.setdefault(req.rid, Copying())
             suffix = index.ids[-self.max_n :]
-            draft = index.lookup(suffix, k)
+            draft, source = index.lookup(suffix, k, copying.follow(index.ids))
             for other in reversed(self.shared.values()) if self.share and not draft else ():
-                draft = other.lookup(suffix, k)
+                draft, _ = other.lookup(suffix, k)
                 if draft:
                     break
+            copying.draft, copying.source, copying.drafted_at = draft, source, len(index.ids)
             drafts.append(draft)
         return drafts
 
@@ -98,6 +132,7 @@ class NgramDrafter(Drafter):
             while len(self.shared) > SHARED_CONTEXTS:
                 self.shared.popitem(last=False)
         self.indexes.pop(req.rid, None)
+        self.copying.pop(req.rid, None)
 
     def idle(self) -> bool:
         return not self.indexes

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 PAUSE_STEPS = 8  # a request whose drafts keep failing drafts nothing for this many steps, doubling
 MAX_PAUSE_STEPS = 256
-RATE_WEIGHT = 0.5  # weight of the newest verify step in a request's recent acceptance rate
+RATE_WEIGHT = 0.25  # weight of the newest verify step in a request's recent acceptance rate
 # The recent rate a request resumes with after a pause: a second chance, not full trust (alone it
 # does not make a large batch draft: Scheduler.worth_drafting).
 RESUME_RATE = 0.5

@@ -9,6 +9,9 @@ from collections.abc import Sequence
 from labkit.speculative.base import DRAFTERS, Drafter, DraftReq, register_drafter
 
 NOISY = "test-noisy"
+# The rule by which a batch drafts, fixed (as it was before step times were measured): a test that
+# asserts that speculation happened must not depend on this machine's step times under load.
+FIXED_GAIN = {"speculative_min_batch_gain": 1.0}
 # A prompt whose continuation copies it: n-gram drafts are accepted in runs.
 COPY = (
     "Copy this text exactly: The quick brown fox jumps over the lazy dog. The five boxing wizards "
@@ -39,6 +42,14 @@ class WrongDrafter(NoisyDrafter):
     RIGHT = 0.0
 
 
+class EmptyDrafter(NoisyDrafter):
+    """Never finds anything to draft."""
+
+    def propose(self, reqs: Sequence[DraftReq], budgets: Sequence[int]) -> list[list[int]]:
+        return [[] for _ in reqs]
+
+
 if NOISY not in DRAFTERS:
     register_drafter(NOISY)(NoisyDrafter)
     register_drafter("test-wrong")(WrongDrafter)
+    register_drafter("test-empty")(EmptyDrafter)

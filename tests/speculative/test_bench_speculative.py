@@ -3,7 +3,18 @@ speculation equal the plain ones, and a drafter that cannot be built is skipped.
 
 from __future__ import annotations
 
-from labkit.bench.speculative import PLAIN, _requests, bench, chat_workloads, make_engines, markdown_table
+import json
+
+from labkit.bench.speculative import (
+    PLAIN,
+    TEXTS_PER_COPY,
+    WORKLOAD_FILE,
+    _requests,
+    bench,
+    chat_workloads,
+    make_engines,
+    markdown_table,
+)
 
 TINY = {"model_path": "tiny-llama", "load_format": "dummy", "device": "cpu", "max_total_tokens": 2048}
 
@@ -22,11 +33,13 @@ def test_bench_rows_on_a_tiny_model(capsys):
         assert r.mismatches == 0  # greedy: speculation changes no token
         assert 0.0 <= r.accept_rate <= 1.0 and r.verify_steps >= 0
         if r.algorithm == PLAIN:
-            assert (r.speedup, r.accept_len, r.accept_rate, r.verify_steps) == (1.0, 1.0, 0.0, 0.0)
+            assert (r.speedup, r.accept_len, r.accept_rate, r.verify_steps, r.from_drafts) == (1.0, 1.0, 0.0, 0.0, 0.0)
         else:
             assert 1.0 <= r.accept_len <= 1 + 3 and r.verify_steps > 0
     draft = [r for r in rows if r.algorithm == "draft"]
     assert all(r.accept_rate == 1.0 for r in draft)  # the target drafts for itself
+    for r in draft:  # every verify step yields its drafts and one token of the target's own
+        assert abs(r.from_drafts - (1 - r.verify_steps / (r.output_tokens / r.requests))) < 0.1
     table = markdown_table(rows)
     assert table.count("\n") == len(rows) + 1 and "| loop | 3 | ngram |" in table
 
@@ -34,7 +47,10 @@ def test_bench_rows_on_a_tiny_model(capsys):
 def test_workloads_and_groups():
     workloads = chat_workloads()
     assert set(workloads) == {"copy", "chat"} and all(len(p) >= 16 for p in workloads.values())
-    assert "Repeat the following text exactly" in workloads["copy"][0][0]["content"]
+    first = workloads["copy"][0][0]["content"]
+    assert first.startswith("Repeat the following text exactly")
+    texts = json.loads(WORKLOAD_FILE.read_text())["copy_texts"]
+    assert all(t in first for t in texts[:TEXTS_PER_COPY]) and texts[TEXTS_PER_COPY] not in first
     prompts = [[i] for i in range(5)]
     assert _requests(prompts, 1, 3) == [[[0]], [[1]], [[2]]]
     assert _requests(prompts, 4, 1) == [[[0], [1], [2], [3]]]

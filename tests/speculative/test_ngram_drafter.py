@@ -1,5 +1,6 @@
-"""The n-gram drafter's lookup: latest earlier occurrence, longest n first, never the suffix itself,
-loops drafted to their full length, and other requests' outputs when sharing is on."""
+"""The n-gram drafter's lookup: latest earlier occurrence (or the first at the anchor of a copy in
+progress), longest n first, never the suffix itself, loops drafted to their full length, and other
+requests' outputs when sharing is on."""
 
 from __future__ import annotations
 
@@ -17,31 +18,31 @@ def indexed(ids: list[int], min_n: int = 1, max_n: int = 3) -> NgramIndex:
 
 def test_lookup_drafts_what_followed_the_latest_earlier_occurrence():
     ids = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
-    assert indexed(ids).lookup(ids[-3:], 2) == [7, 8]
+    assert indexed(ids).lookup(ids[-3:], 2)[0] == [7, 8]
 
 
 def test_lookup_prefers_the_longest_matching_suffix():
     # [2, 3] last occurred before 4, but the 3-gram [1, 2, 3] only before 9.
     ids = [1, 2, 3, 9, 6, 2, 3, 4, 1, 2, 3]
-    assert indexed(ids).lookup(ids[-3:], 1) == [9]
-    assert indexed(ids, max_n=2).lookup(ids[-2:], 1) == [4]
+    assert indexed(ids).lookup(ids[-3:], 1)[0] == [9]
+    assert indexed(ids, max_n=2).lookup(ids[-2:], 1)[0] == [4]
 
 
 def test_lookup_finds_nothing_for_an_unseen_suffix_and_never_matches_itself():
-    assert indexed([1, 2, 3, 4]).lookup([3, 4], 3) == []
-    assert indexed([5]).lookup([5], 2) == []
+    assert indexed([1, 2, 3, 4]).lookup([3, 4], 3)[0] == []
+    assert indexed([5]).lookup([5], 2)[0] == []
 
 
 def test_a_loop_is_drafted_to_the_full_length():
     ids = [4, 1, 2, 1, 2, 1, 2]
-    assert indexed(ids, max_n=2).lookup(ids[-2:], 5) == [1, 2, 1, 2, 1]
-    assert indexed([7, 7, 7]).lookup([7, 7, 7], 4) == [7, 7, 7, 7]
+    assert indexed(ids, max_n=2).lookup(ids[-2:], 5)[0] == [1, 2, 1, 2, 1]
+    assert indexed([7, 7, 7]).lookup([7, 7, 7], 4)[0] == [7, 7, 7, 7]
 
 
 def test_index_grows_with_the_sequence():
     index = indexed([1, 2, 3])
     index.extend([1, 2, 3, 4, 1, 2])
-    assert index.lookup([1, 2], 2) == [3, 4]
+    assert index.lookup([1, 2], 2)[0] == [3, 4]
 
 
 def fake_req(rid: str, prompt: list[int], output: list[int]) -> SimpleNamespace:
@@ -60,3 +61,29 @@ def test_shared_contexts_draft_from_finished_requests_only_when_asked():
         assert drafter.idle() is False  # "b" is live
         drafter.release(asking)
         assert drafter.idle()
+
+
+def test_an_anchor_picks_the_first_occurrence_at_or_after_it():
+    index = indexed([1, 5, 6, 1, 8, 9, 1], max_n=1)  # "1" ends at 1 and 4 (the last one is the query)
+    assert index.lookup([1], 2) == ([8, 9], 4)  # no anchor: the latest
+    assert index.lookup([1], 2, anchor=0) == ([5, 6], 1)
+    assert index.lookup([1], 2, anchor=2) == ([8, 9], 4)
+    assert index.lookup([1], 2, anchor=5) == ([8, 9], 4)  # none after it: the latest
+
+
+def test_a_copy_finds_its_place_again_after_an_inserted_token():
+    # The prompt: a text to copy, then a later "4" followed by something else.
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 99, 4, 50, 51, 52]
+    target = SimpleNamespace(vocab_size=100)
+    drafter = NgramDrafter(EngineConfig(speculative_ngram_max_n=3), target)
+    req = fake_req("r", prompt, [1])
+    assert drafter.propose([req], [4]) == [[2, 3, 4, 5]]
+    req.output_ids += [2, 3, 77]  # the copy kept 2 and 3, then inserted 77 where 4 was drafted
+    assert drafter.propose([req], [4]) == [[]]  # nothing ever followed 77
+    req.output_ids += [4]
+    # The copy goes on from its place in the text, not from the latest "4".
+    assert drafter.propose([req], [4]) == [[5, 6, 7, 8]]
+    fresh = NgramDrafter(EngineConfig(speculative_ngram_max_n=3), target)
+    assert fresh.propose([fake_req("s", prompt, [1, 2, 3, 77, 4])], [4]) == [[50, 51, 52, 1]]
+    drafter.release(req)
+    assert drafter.idle() and not drafter.copying

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from labkit import Engine
-from tests.speculative.conftest import NOISY
+from tests.speculative.conftest import FIXED_GAIN, NOISY
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -19,7 +19,7 @@ def test_verify_steps_replay_cuda_graphs_and_keep_greedy_tokens(page_size):
     prompts = [[3 + i, 40 + i, 90, 7 * i % 256] * (4 + i) for i in range(9)]
     params = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
     plain = Engine(**kw).generate(input_ids=prompts, sampling_params=params)
-    engine = Engine(**kw, enable_trace=True, speculative_algorithm=NOISY, speculative_num_draft_tokens=5)
+    engine = Engine(**kw, **FIXED_GAIN, enable_trace=True, speculative_algorithm=NOISY, speculative_num_draft_tokens=5)
     graphs = engine.model_runner.cuda_graph_runner
     assert graphs is not None
     out = engine.generate(input_ids=prompts, sampling_params=params)

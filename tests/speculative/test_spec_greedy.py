@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import Engine
-from tests.speculative.conftest import COPY, NOISY
+from tests.speculative.conftest import COPY, FIXED_GAIN, NOISY
 
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 
@@ -48,7 +48,7 @@ def test_tiny_models_give_the_same_greedy_tokens_with_speculation(model, page_si
     kw |= dict(max_total_tokens=pool, chunked_prefill_size=64, schedule_conservativeness=0.05)
     kw |= dict(overlap_schedule_on_cpu=overlap)
     _, plain = run(prompts, GREEDY, **kw)
-    engine, spec = run(prompts, GREEDY, speculative_algorithm=NOISY, speculative_num_draft_tokens=5, **kw)
+    engine, spec = run(prompts, GREEDY, speculative_algorithm=NOISY, speculative_num_draft_tokens=5, **kw, **FIXED_GAIN)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     drafted, accepted = spec_totals(spec)
     assert 0 < accepted < drafted  # runs were accepted and cut
@@ -77,6 +77,7 @@ def test_the_embedded_model_gives_the_same_greedy_tokens_with_speculation(
     kw = dict(max_total_tokens=4096, page_size=page_size, disable_radix_cache=not radix)
     params = {"temperature": 0, "max_new_tokens": 32}
     _, plain = run(embedded_prompts, params, **kw)
+    kw |= FIXED_GAIN
     # The draft model is the embedded model itself: every greedy draft is right.
     engine, spec = run(embedded_prompts, params, speculative_algorithm=algorithm, speculative_num_draft_tokens=3, **kw)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
@@ -98,6 +99,7 @@ def test_every_kept_token_is_reported_once_in_the_step_that_kept_it(overlap):
         overlap_schedule_on_cpu=overlap,
         speculative_algorithm=NOISY,
         speculative_num_draft_tokens=3,
+        **FIXED_GAIN,
     )
     prompts = [[3 + i, 40 + i, 90, 7 * i % 256] * (4 + i) for i in range(4)]
     rids = [engine.add_request(input_ids=p, sampling_params=GREEDY) for p in prompts]

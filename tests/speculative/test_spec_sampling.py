@@ -11,13 +11,13 @@ import torch
 
 from labkit import Engine
 from labkit.sampling.sampler import Sampler
-from tests.speculative.conftest import COPY
+from tests.speculative.conftest import COPY, FIXED_GAIN
 
 
 @pytest.fixture(scope="module")
 def engines(embedded_dir):
     plain = Engine(max_total_tokens=4096)
-    spec = Engine(max_total_tokens=4096, speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+    spec = Engine(max_total_tokens=4096, **FIXED_GAIN, speculative_algorithm="ngram", speculative_num_draft_tokens=4)
     return plain, spec
 
 
@@ -121,7 +121,7 @@ def test_sampled_tokens_follow_the_target_distribution():
     kw = dict(model_path="tiny-qwen3", load_format="dummy", max_total_tokens=16384, max_running_requests=512)
     params = {"temperature": 0.5, "top_k": 6, "max_new_tokens": 3, "ignore_eos": True}
     plain, _, _ = token_pairs(Engine(**kw), 1500, params)
-    spec_kw = dict(speculative_algorithm="draft", speculative_draft_model_path="tiny-qwen3")
+    spec_kw = dict(FIXED_GAIN, speculative_algorithm="draft", speculative_draft_model_path="tiny-qwen3")
     spec, drafted, accepted = token_pairs(
         Engine(**kw, **spec_kw, speculative_draft_load_format="dummy", speculative_num_draft_tokens=2), 1500, params
     )

@@ -10,13 +10,14 @@ import json
 from labkit.config import EngineConfig
 from labkit.server.inprocess import InProcessServer
 from labkit.server.metrics import parse_metrics
+from tests.speculative.conftest import FIXED_GAIN
 
 PROMPT = "one two three one two three one two three one two three"
 
 
 def test_the_server_reports_speculation_in_meta_info_and_metrics(tiny_engine_kwargs):
     async def main():
-        server = InProcessServer(EngineConfig(**tiny_engine_kwargs, speculative_algorithm="ngram"))
+        server = InProcessServer(EngineConfig(**tiny_engine_kwargs, **FIXED_GAIN, speculative_algorithm="ngram"))
         server.args.enable_metrics = True
         await server.start()
         try:

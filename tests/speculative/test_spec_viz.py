@@ -31,7 +31,7 @@ def traced_run(algorithm: str, speculative_min_accept_rate: float = 0.0):
     engine = Engine(
         model_path="tiny-llama", load_format="dummy", enable_trace=True, max_total_tokens=4096,
         speculative_algorithm=algorithm, speculative_num_draft_tokens=K,
-        speculative_min_accept_rate=speculative_min_accept_rate,
+        speculative_min_accept_rate=speculative_min_accept_rate, speculative_min_batch_gain=0,
     )  # fmt: skip
     outs = engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
     return Run.of(engine), {o["meta_info"]["id"]: o for o in outs}

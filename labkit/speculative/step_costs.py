@@ -1,0 +1,86 @@
+"""StepCosts: what a verify step costs against a plain decode step, measured on this machine.
+
+A verify step of B requests yields B tokens plus the drafts it accepts, in the time V of one
+verify step; a decode step yields B tokens in its time D. Drafting pays when the accepted drafts
+reach B x (V / D - 1): the break-even gain per request. V / D is not a constant: on CUDA with
+overlap scheduling a decode step costs the host's share of a step (the device works behind it) and
+a verify step costs the host's and the device's in series (its drafts need the tokens before it),
+about 2-3 decode steps for a small model; on a CPU, or for a model whose forward dominates, a
+verify step of a few rows costs little more than a decode step. So the scheduler times its steps
+and asks this table.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from labkit.model_executor.forward_batch import ForwardMode
+
+SAMPLES = 16  # the latest step times kept per kind and batch-size bucket (their median is used)
+
+
+def bucket(batch_size: int) -> int:
+    """Batch sizes 1, 2-3, 4-7, 8-15, ... share a bucket: a step's host work grows with its rows."""
+    return batch_size.bit_length()
+
+
+@dataclass
+class StepCosts:
+    """The latest wall times of decode and verify steps by batch-size bucket, and the break-even
+    gain per request they give. Owned by the scheduler that times its steps (the leader, with
+    tensor parallelism: its table travels to the followers with each step, so every rank decides
+    alike)."""
+
+    decode: dict[int, deque[float]] = field(default_factory=dict)
+    verify: dict[int, deque[float]] = field(default_factory=dict)
+    table: dict[int, float] = field(default_factory=dict)  # bucket -> break-even gain per request
+
+    def record(self, mode: ForwardMode, batch_size: int, seconds: float) -> None:
+        """One step's wall time; steps other than decode and verify (prefill, mixed) are ignored."""
+        kinds = {ForwardMode.DECODE: self.decode, ForwardMode.TARGET_VERIFY: self.verify}
+        if mode not in kinds or batch_size < 1:
+            return
+        b = bucket(batch_size)
+        kinds[mode].setdefault(b, deque(maxlen=SAMPLES)).append(seconds)
+        if b in self.decode and b in self.verify:
+            ratio = statistics.median(self.verify[b]) / statistics.median(self.decode[b])
+            self.table[b] = max(0.0, ratio - 1.0)
+
+    def break_even(self, batch_size: int, default: float) -> float:
+        """Accepted drafts per request at which a verify step pays for `batch_size` requests;
+        `default` until both kinds of step were timed at about this size."""
+        return self.table.get(bucket(batch_size), default)
+
+    def summary(self) -> list[str]:
+        """A line per bucket timed both ways: batch sizes, median decode and verify step, break-even."""
+        return [
+            f"batch {2 ** (b - 1)}-{2**b - 1}: decode {statistics.median(self.decode[b]) * 1e3:.2f} ms, "
+            f"verify {statistics.median(self.verify[b]) * 1e3:.2f} ms, break-even {self.table[b]:.2f} per request"
+            for b in sorted(self.table)
+        ]
+
+
+GAIN_MEMORY_STEPS = 64  # a verify step's realized gain counts for this many scheduler steps
+
+
+@dataclass
+class RealizedGains:
+    """What the recent verify steps of batches of several requests actually yielded, in accepted
+    drafts per request of the batch. The requests' acceptance rates are each request's own; a batch
+    also pays for the rows of requests that draft nothing, and the drafts that do land are often
+    those of requests about to finish anyway. A gain expires after GAIN_MEMORY_STEPS steps, so a
+    batch that stopped drafting tries again later. Computed from tokens only: every tensor-parallel
+    rank agrees."""
+
+    gains: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=SAMPLES))  # (step, gain)
+
+    def record(self, step: int, batch_size: int, accepted: int) -> None:
+        if batch_size > 1:  # alone, a request's own rate is what its verify steps realized
+            self.gains.append((step, accepted / batch_size))
+
+    def recent(self, step: int) -> float | None:
+        """The mean gain per request of the unexpired verify steps; None when there is none."""
+        live = [g for s, g in self.gains if step - s < GAIN_MEMORY_STEPS]
+        return sum(live) / len(live) if live else None

@@ -1,0 +1,101 @@
+"""The measured break-even of speculation: step times by kind and batch-size bucket, their medians,
+and the scheduler drafting by them when no fixed gain is configured."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from labkit.model_executor.forward_batch import ForwardMode
+from labkit.speculative.step_costs import GAIN_MEMORY_STEPS, SAMPLES, RealizedGains, StepCosts, bucket
+from labkit.speculative.verify import SpecState
+
+DECODE, VERIFY = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY
+
+
+def test_batch_sizes_share_a_bucket_up_to_the_next_power_of_two():
+    assert [bucket(b) for b in (1, 2, 3, 4, 7, 8, 15, 16)] == [1, 2, 2, 3, 3, 4, 4, 5]
+
+
+def test_break_even_is_the_verify_to_decode_ratio_less_one_once_both_were_timed():
+    costs = StepCosts()
+    costs.record(DECODE, 16, 0.001)
+    assert costs.break_even(16, default=1.0) == 1.0  # no verify step timed yet
+    costs.record(VERIFY, 17, 0.0025)  # 17 is in 16's bucket
+    assert abs(costs.break_even(16, default=1.0) - 1.5) < 1e-9
+    assert costs.break_even(1, default=0.7) == 0.7  # another bucket: nothing timed there
+    costs.record(ForwardMode.EXTEND, 16, 1.0)  # prefill steps do not count
+    assert abs(costs.break_even(20, default=1.0) - 1.5) < 1e-9
+    assert costs.summary() == ["batch 16-31: decode 1.00 ms, verify 2.50 ms, break-even 1.50 per request"]
+
+
+def test_the_median_of_the_latest_steps_ignores_a_stall_and_old_steps():
+    costs = StepCosts()
+    for _ in range(SAMPLES):
+        costs.record(VERIFY, 1, 0.002)
+        costs.record(DECODE, 1, 0.004)
+    assert costs.break_even(1, default=1.0) == 0.0  # a verify step cheaper than a decode one: floor 0
+    costs.record(DECODE, 1, 5.0)  # one stall (a collection pause) moves nothing
+    assert costs.break_even(1, default=1.0) == 0.0
+    for _ in range(SAMPLES):  # the machine changed: only the latest SAMPLES steps count
+        costs.record(DECODE, 1, 0.001)
+    assert abs(costs.break_even(1, default=1.0) - 1.0) < 1e-9
+
+
+def test_without_a_fixed_gain_the_scheduler_drafts_by_its_measured_break_even():
+    from labkit import Engine
+
+    engine = Engine(model_path="tiny-llama", load_format="dummy", speculative_algorithm="ngram")
+    sched = engine.scheduler
+
+    def reqs(*rates):
+        return [SimpleNamespace(spec=SpecState(recent_rate=r)) for r in rates]
+
+    assert sched.worth_drafting(reqs(0.5), [4])  # untimed: 1 token per request, 2 expected
+    sched.step_costs.record(DECODE, 1, 0.001)
+    sched.step_costs.record(VERIFY, 1, 0.004)  # a verify step costs 4 decode steps: break-even 3
+    assert not sched.worth_drafting(reqs(0.5), [4])  # 2 < 3
+    assert sched.worth_drafting(reqs(0.75), [4])  # 3 >= 3
+    assert sched.worth_drafting(reqs(0.5, 0.5), [4, 4])  # batch 2: its own bucket, untimed
+
+
+def test_realized_gains_are_per_request_of_batches_of_several_and_expire():
+    gains = RealizedGains()
+    assert gains.recent(0) is None
+    gains.record(10, 16, accepted=8)  # half a token per request
+    gains.record(12, 4, accepted=6)
+    gains.record(12, 1, accepted=4)  # alone: not a batch's gain
+    assert abs(gains.recent(12) - (0.5 + 1.5) / 2) < 1e-9
+    assert abs(gains.recent(10 + GAIN_MEMORY_STEPS) - 1.5) < 1e-9  # the step-10 gain expired
+    assert gains.recent(12 + GAIN_MEMORY_STEPS) is None
+
+
+def test_a_batch_whose_verify_steps_realized_little_stops_drafting_until_that_expires():
+    from labkit import Engine
+
+    engine = Engine(model_path="tiny-llama", load_format="dummy", speculative_algorithm="ngram")
+    sched = engine.scheduler
+
+    def reqs(n, rate):
+        return [SimpleNamespace(spec=SpecState(recent_rate=rate)) for _ in range(n)]
+
+    assert sched.worth_drafting(reqs(8, 1.0), [4] * 8)  # rates say 4 per request: drafts
+    sched.realized_gains.record(sched.step_id, 8, accepted=4)  # but a verify step gave 0.5 each
+    assert not sched.worth_drafting(reqs(8, 1.0), [4] * 8)
+    assert sched.worth_drafting(reqs(1, 1.0), [4])  # alone, a request's own rate decides
+    assert not sched.worth_drafting(reqs(3, 1.0), [4] * 3)  # another batch size: the same workload
+    sched.step_id += GAIN_MEMORY_STEPS
+    assert sched.worth_drafting(reqs(8, 1.0), [4] * 8)  # expired: the batch tries again
+
+
+def test_a_step_that_gave_up_the_overlap_and_found_no_drafts_counts_as_a_fruitless_verify_step():
+    import tests.speculative.conftest  # noqa: F401  (registers test-empty)
+    from labkit import Engine
+
+    engine = Engine(
+        model_path="tiny-llama", load_format="dummy", overlap_schedule_on_cpu=True, speculative_algorithm="test-empty"
+    )
+    params = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0}
+    engine.generate(input_ids=[[5, 6, 7], [8, 9, 10]], sampling_params=params)
+    sched = engine.scheduler
+    assert sched.realized_gains.recent(sched.step_id) == 0.0  # the attempts gained nothing
+    assert sched.step_costs.verify and sched.step_costs.decode.keys() <= {1, 2}
