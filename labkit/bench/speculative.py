@@ -44,7 +44,7 @@ from labkit.tokenizer.prompt import encode_prompt
 
 WORKLOAD_FILE = Path(__file__).resolve().parents[2] / "data" / "workloads" / "speculative.json"
 PLAIN = "plain"
-# Texts per copy prompt: one text (about 45 tokens) makes an answer whose preamble and prefill weigh
+# Texts per copy prompt: one text (about 38 tokens) makes an answer whose preamble and prefill weigh
 # as much as the copy; three make it a paragraph the answer mostly copies.
 TEXTS_PER_COPY = 3
 DRAFT_NOTE = (

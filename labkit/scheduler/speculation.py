@@ -95,7 +95,7 @@ class SchedulerSpecMixin:
             drafting = r.grammar is None and r.spec.drafting(self.step_id)
             budgets.append(max(0, min(k, room - 1)) if drafting else 0)
         graphs = self.model_runner.cuda_graph_runner
-        if graphs is not None and len(reqs) <= graphs.max_bs:
+        if graphs is not None and len(reqs) + sum(budgets) > graphs.max_bs >= len(reqs):
             spare = graphs.max_bs - len(reqs)
             for i in sorted(range(len(reqs)), key=lambda i: -reqs[i].spec.recent_rate):
                 budgets[i] = min(budgets[i], spare)
