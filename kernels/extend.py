@@ -218,13 +218,31 @@ class ExtendPlan:
 
     @classmethod
     def build(cls, extend_lens_cpu: list[int], blocks: ExtendBlocks, device: torch.device | str) -> ExtendPlan:
+        tiles = cls.tiles(extend_lens_cpu, blocks)
+        both = torch.tensor(tiles, dtype=torch.int32).reshape(2, -1).to(device, non_blocking=True)
+        return cls(both[0], both[1], blocks)
+
+    @staticmethod
+    def tiles(extend_lens_cpu: list[int], blocks: ExtendBlocks, num_tiles: int | None = None) -> list[int]:
+        """The plan on the host: the tiles' requests, then their first new-token indices (2 x
+        num_tiles values). num_tiles pads the list with idle tiles, which point at the last request:
+        it must then have no new tokens (and no prefix), so those programs do nothing (CUDA graphs
+        launch a fixed grid of max_tiles)."""
         n = blocks.tile_tokens
         tiles = sorted(
             ((m0, b) for b, length in enumerate(extend_lens_cpu) for m0 in range(0, length, n)), reverse=True
         )
-        both = torch.tensor([[b for _, b in tiles], [m0 for m0, _ in tiles]], dtype=torch.int32)
-        both = both.reshape(2, len(tiles)).to(device, non_blocking=True)
-        return cls(both[0], both[1], blocks)
+        if num_tiles is not None:
+            if len(tiles) > num_tiles or extend_lens_cpu[-1] != 0:
+                raise ValueError(f"{len(tiles)} tiles for {num_tiles} programs, or no idle last request")
+            tiles += [(0, len(extend_lens_cpu) - 1)] * (num_tiles - len(tiles))
+        return [b for _, b in tiles] + [m0 for m0, _ in tiles]
+
+    @staticmethod
+    def max_tiles(num_tokens: int, num_reqs: int, blocks: ExtendBlocks) -> int:
+        """A bound on the tiles of any batch of at most num_reqs requests and num_tokens new tokens:
+        ceil(l / t) <= floor(l / t) + 1 for each request, and the floors sum to at most floor(T / t)."""
+        return num_tokens // blocks.tile_tokens + num_reqs
 
     @classmethod
     def one_token_each(cls, batch_size: int, blocks: ExtendBlocks, device: torch.device | str) -> ExtendPlan:

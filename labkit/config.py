@@ -145,8 +145,15 @@ class EngineConfig:
             "larger batches run eagerly"
         },
     )
+    cuda_graph_max_prefill_tokens: int = field(
+        default=2048,
+        metadata={
+            "help": "extend (prefill, mixed) forwards of up to this many new tokens run from captured CUDA "
+            "graphs (CUDA with the triton backend, one rank); 0: extends always run eagerly"
+        },
+    )
     disable_cuda_graph: bool = field(
-        default=False, metadata={"help": "never capture CUDA graphs: every decode step runs eagerly"}
+        default=False, metadata={"help": "never capture CUDA graphs: every forward runs eagerly"}
     )
     enable_torch_compile: bool = field(
         default=False,

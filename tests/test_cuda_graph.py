@@ -188,6 +188,7 @@ def test_cuda_graph_padding_writes_only_the_reserved_page(checkpoint):
     prompts, params = _workload(7)
     engine.generate(input_ids=prompts, sampling_params=params)
     assert runner.cuda_graph_runner.num_padded_rows > 0
+    assert runner.prefill_graph_runner.num_padded_tokens > 0  # the prefills' padding too
     untouched = torch.ones(pool.k_buffer[0].shape[0], dtype=torch.bool, device="cuda")
     untouched[torch.cat(written)] = False
     untouched[:16] = False  # the reserved page, where padding writes

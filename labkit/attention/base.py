@@ -126,6 +126,31 @@ class AttentionBackend(ABC):
         would give for the same padded batch."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
+    # ---- Prefill CUDA graphs (extend and mixed forwards of few tokens; PrefillGraphRunner). The
+    # same sequence with these hooks: init_prefill_graph_state(max_tokens, max_rows) once, then per
+    # captured token count T its capture hook, warm-ups and capture, and its replay hook before every
+    # replay. fb_T is an EXTEND ForwardBatch of exactly T new tokens over its batch_size rows; its
+    # extend_*_cpu and seq_lens_cpu lists hold the step's real requests, then a padding request
+    # (prefix 0) holding the padded tokens (possibly none), then empty requests (prefix 0, no new
+    # tokens): the last row is always empty. The lists change at every replay, the row count and
+    # T do not.
+
+    def init_prefill_graph_state(self, max_tokens: int, max_rows: int) -> None:
+        """Allocate, once, the metadata buffers of extend forwards of up to max_tokens new tokens
+        and max_rows rows. Raise NotImplementedError when extends cannot be captured (the default)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support prefill CUDA graphs")
+
+    def init_forward_metadata_capture_prefill_graph(self, forward_batch: ForwardBatch) -> None:
+        """As init_forward_metadata_capture_cuda_graph, for an extend: views of the buffers of
+        init_prefill_graph_state, a launch configuration fixed by (T, rows), no host sync."""
+        raise NotImplementedError(f"{type(self).__name__} does not support prefill CUDA graphs")
+
+    def init_forward_metadata_replay_prefill_graph(self, forward_batch: ForwardBatch) -> None:
+        """As init_forward_metadata_replay_cuda_graph, for an extend: the step's metadata from the
+        *_cpu lists, written in place; the padding and empty rows must leave real rows' outputs and
+        the pool's real slots untouched."""
+        raise NotImplementedError(f"{type(self).__name__} does not support prefill CUDA graphs")
+
     def forward(
         self,
         q: torch.Tensor,

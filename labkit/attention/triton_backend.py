@@ -62,6 +62,14 @@ class _GraphBuffers:
     mid_lse: torch.Tensor  # [max_bs, H, max_kv_splits] float32 workspace
 
 
+@dataclass
+class _PrefillGraphBuffers:
+    """Extend state for the prefill CUDA graphs, allocated once (see init_prefill_graph_state)."""
+
+    lens: torch.Tensor  # [3, max_rows] int64: prefix lens, extend lens, first rows
+    tiles: torch.Tensor  # [2, max_tiles] int32: ExtendPlan.tiles, padded with idle tiles
+
+
 @register_attention_backend("triton")
 class TritonAttnBackend(AttentionBackend):
     """Triton kernels on CUDA (interpreter elsewhere). See AttentionBackend for the contract."""
@@ -76,6 +84,7 @@ class TritonAttnBackend(AttentionBackend):
         self.extend: _ExtendMetadata | None = None
         self.decode: _DecodeMetadata | None = None
         self.graph: _GraphBuffers | None = None  # set by init_cuda_graph_state
+        self.prefill_graph: _PrefillGraphBuffers | None = None  # set by init_prefill_graph_state
         c = config
         self.extend_blocks = extend_blocks(c.head_dim, c.num_heads // c.num_kv_heads, c.dtype)
 
@@ -89,11 +98,8 @@ class TritonAttnBackend(AttentionBackend):
             self.extend = self._extend_metadata(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)
 
     def _extend_metadata(self, prefix_lens: list[int], extend_lens: list[int]) -> _ExtendMetadata:
-        starts, row = [], 0
-        for n in extend_lens:
-            starts.append(row)
-            row += n
-        lens = torch.tensor([prefix_lens, extend_lens, starts], dtype=torch.int64).to(self.device, non_blocking=True)
+        lens = torch.tensor(_extend_lens(prefix_lens, extend_lens), dtype=torch.int64)
+        lens = lens.reshape(3, -1).to(self.device, non_blocking=True)
         plan = ExtendPlan.build(extend_lens, self.extend_blocks, self.device)
         return _ExtendMetadata(lens[0], lens[1], lens[2], plan)
 
@@ -145,6 +151,35 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         graph, splits, _ = self._graph_splits(forward_batch)
         graph.num_kv_splits[: forward_batch.batch_size].copy_(splits)
+
+    # ---- prefill CUDA graphs ----------------------------------------------------------------
+    def init_prefill_graph_state(self, max_tokens: int, max_rows: int) -> None:
+        max_tiles = ExtendPlan.max_tiles(max_tokens, max_rows, self.extend_blocks)
+        self.prefill_graph = _PrefillGraphBuffers(
+            torch.zeros(3, max_rows, dtype=torch.int64, device=self.device),
+            torch.zeros(2, max_tiles, dtype=torch.int32, device=self.device),
+        )
+
+    def _prefill_graph_views(self, fb: ForwardBatch) -> tuple[_PrefillGraphBuffers, int]:
+        if self.prefill_graph is None:
+            raise ValueError("init_prefill_graph_state was not called")
+        return self.prefill_graph, ExtendPlan.max_tiles(fb.num_tokens, fb.batch_size, self.extend_blocks)
+
+    def init_forward_metadata_capture_prefill_graph(self, forward_batch: ForwardBatch) -> None:
+        g, num_tiles = self._prefill_graph_views(forward_batch)
+        self.init_forward_metadata_replay_prefill_graph(forward_batch)  # valid values for the warm-ups
+        lens, bs = g.lens[:, : forward_batch.batch_size], forward_batch.batch_size
+        plan = ExtendPlan(g.tiles[0, :num_tiles], g.tiles[1, :num_tiles], self.extend_blocks)
+        self.decode = None
+        self.extend = _ExtendMetadata(lens[0, :bs], lens[1, :bs], lens[2, :bs], plan)
+
+    def init_forward_metadata_replay_prefill_graph(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        g, num_tiles = self._prefill_graph_views(fb)
+        lens = _extend_lens(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)
+        tiles = ExtendPlan.tiles(fb.extend_seq_lens_cpu, self.extend_blocks, num_tiles)
+        g.lens[:, : fb.batch_size].copy_(torch.tensor(lens).reshape(3, -1), non_blocking=True)
+        g.tiles[:, :num_tiles].copy_(torch.tensor(tiles, dtype=torch.int32).reshape(2, -1), non_blocking=True)
 
     # ---- per layer ----------------------------------------------------------------------------
     def forward_decode(
@@ -234,3 +269,12 @@ class TritonAttnBackend(AttentionBackend):
             v_scale=pool.v_scale[lid],
         )
         return out
+
+
+def _extend_lens(prefix_lens: list[int], extend_lens: list[int]) -> list[int]:
+    """Prefix lens, extend lens and each request's first row among the new tokens, as one list."""
+    starts, row = [], 0
+    for n in extend_lens:
+        starts.append(row)
+        row += n
+    return [*prefix_lens, *extend_lens, *starts]

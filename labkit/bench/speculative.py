@@ -2,29 +2,31 @@
 drafter, on a copy-heavy workload and on plain chat.
 
     python -m labkit.bench.speculative [--algorithms ngram draft] [--workloads copy chat] [--batch-sizes 1 16]
-                                       [--num-draft-tokens 4] [--min-batch-gain G]
+                                       [--num-draft-tokens 4] [--min-batch-gain G] [--min-accept-rate R]
                                        [--output-len 128] [--repeats 3] [--min-requests 4] [--device auto]
                                        [--dtype auto]
                                        [--draft-model-path PATH] [--json out.json]
                                        [--model-path smollm2-135m --load-format dummy --tokenizer-path DIR]
 
-Workloads (data/workloads/speculative.json, chat prompts of the embedded model): `copy` asks the model
-to repeat or correct a paragraph given in the prompt (three of the file's short texts), the case
-n-gram drafting serves; `chat` asks short questions with nothing to copy. Batch size b: at least
---min-requests requests (a multiple of b), submitted b at a time through `Engine.generate(list)`,
-groups one after another. Greedy, EOS allowed: output tokens/s counts the tokens each request
-actually produced, and every speculative output is checked against the plain one of the same round
-(greedy: they should be equal; `mismatch` counts the requests that differed in any round). Every
-engine is warmed up once; rounds alternate the engines, so a shared machine's slow spells hit them
-alike; the cache is flushed before each run. Acceptance length = (accepted drafts + verify steps) /
-verify steps, the tokens one verify forward yields; acceptance rate = accepted / drafted; from
-drafts = accepted / output tokens, how much of the output verify steps took from the drafts (what
-makes a workload copy-heavy). The `draft` drafter defaults to the embedded model drafting for itself
-(no smaller model shares SmolLM2's tokenizer offline): an upper bound on acceptance at about twice
-the compute per token. Overlap scheduling and CUDA graphs stay the engine's defaults: on CUDA the
-plain engine overlaps every step, the speculative one every step that does not draft (a drafting
-step waits for the tokens in flight). After the table, each speculative engine's measured step
-times and break-even (labkit.speculative.step_costs).
+Workloads (data/workloads/speculative.json, chat prompts of the embedded model): `copy` asks the
+model to repeat or correct a paragraph given in the prompt (three of the file's short texts), the
+case n-gram drafting serves; `chat` asks short questions with nothing to copy. Batch size b: at
+least --min-requests requests (a multiple of b), submitted b at a time through
+`Engine.generate(list)`, groups one after another. Greedy, EOS allowed: output tokens/s counts the
+tokens each request actually produced, and every speculative output is checked against the plain one
+of the same round (greedy: they should be equal; `mismatch` counts the requests that differed in any
+round). Every engine is warmed up once; each round runs every engine in turn (the order reversed
+every other round), so a shared machine's slow spells hit them alike, and the speed-up is the median
+over the rounds of each round's ratio to the plain engine; the cache is flushed before each run.
+Acceptance length = (accepted drafts + verify steps) / verify steps, the tokens one verify forward
+yields; acceptance rate = accepted / drafted; from drafts = accepted / output tokens, how much of
+the output verify steps took from the drafts (what makes a workload copy-heavy). The `draft` drafter
+defaults to the embedded model drafting for itself (no smaller model shares SmolLM2's tokenizer
+offline): an upper bound on acceptance at about twice the compute per token. Overlap scheduling and
+CUDA graphs stay the engine's defaults: on CUDA the plain engine overlaps every step, the
+speculative one every step that does not draft (a drafting step waits for the tokens in flight).
+After the table, each speculative engine's measured step times and break-even
+(labkit.speculative.step_costs).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class Row:
     tok_s: float  # output tokens / s, median of the rounds
     tok_s_min: float
     tok_s_max: float
-    speedup: float  # median tok/s over plain's
+    speedup: float  # median over the rounds of tok/s over plain's in the same round
     accept_len: float  # (accepted + verify steps) / verify steps; 1.0 for plain
     accept_rate: float  # accepted / drafted
     from_drafts: float  # accepted / output tokens
@@ -97,6 +99,7 @@ def make_engines(
     num_draft_tokens: int,
     draft_model_path: str | None = None,
     min_batch_gain: float | None = None,
+    min_accept_rate: float | None = None,
     **engine_kw: Any,
 ) -> dict[str, Engine]:
     """The plain engine and one per algorithm that can be built; one that cannot (a draft model that is
@@ -105,6 +108,8 @@ def make_engines(
     for algorithm in algorithms:
         spec_kw: dict[str, Any] = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": num_draft_tokens}
         spec_kw["speculative_min_batch_gain"] = min_batch_gain
+        if min_accept_rate is not None:
+            spec_kw["speculative_min_accept_rate"] = min_accept_rate
         if algorithm == "draft" and draft_model_path is not None:
             spec_kw["speculative_draft_model_path"] = draft_model_path
             spec_kw["speculative_draft_load_format"] = engine_kw.get("load_format", "auto")
@@ -154,24 +159,27 @@ def bench(
             rates: dict[str, list[float]] = {name: [] for name in engines}
             last: dict[str, list[dict]] = {}
             differed: dict[str, set[int]] = {name: set() for name in engines}
-            for _ in range(repeats):
-                for name, engine in engines.items():
-                    seconds, outs = _run(engine, groups, params)
+            for round_ in range(repeats):
+                order = list(engines) if round_ % 2 == 0 else list(reversed(engines))  # neither always first
+                for name in order:
+                    seconds, outs = _run(engines[name], groups, params)
                     rates[name].append(sum(o["meta_info"]["completion_tokens"] for o in outs) / seconds)
                     last[name] = outs
+                for name, outs in last.items():
                     plain_ids = [o["output_ids"] for o in last[PLAIN]]
                     differed[name] |= {i for i, o in enumerate(outs) if o["output_ids"] != plain_ids[i]}
-            plain_rate = statistics.median(rates[PLAIN])
             done = ", ".join(f"{name} {statistics.median(r):.1f}" for name, r in rates.items())
             print(f"{workload}, batch {bs}: {done} out tok/s", flush=True)
             for name in engines:
-                rows.append(_row(workload, bs, name, last[name], rates[name], plain_rate, len(differed[name])))
+                rows.append(_row(workload, bs, name, last[name], rates[name], rates[PLAIN], len(differed[name])))
     return rows
 
 
 def _row(
-    workload: str, bs: int, name: str, outs: list[dict], rates: list[float], plain_rate: float, mismatches: int
+    workload: str, bs: int, name: str, outs: list[dict], rates: list[float], plain_rates: list[float], mismatches: int
 ) -> Row:
+    """The speed-up is the median of the rounds' ratios to the plain engine's rate in the same round
+    (the pairs share the machine's state of the moment; the medians of the two columns need not)."""
     metas = [o["meta_info"] for o in outs]
     verify, drafted, accepted = (
         sum(m[key] for m in metas) for key in ("spec_verify_ct", "spec_draft_tokens", "spec_accepted_tokens")
@@ -186,7 +194,7 @@ def _row(
         tok_s=rate,
         tok_s_min=min(rates),
         tok_s_max=max(rates),
-        speedup=rate / plain_rate,
+        speedup=statistics.median(r / p for r, p in zip(rates, plain_rates)),
         accept_len=(accepted + verify) / verify if verify else 1.0,
         accept_rate=accepted / drafted if drafted else 0.0,
         from_drafts=accepted / max(1, sum(m["completion_tokens"] for m in metas)),
@@ -225,6 +233,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
         default=None,
         help="the engines' --speculative-min-batch-gain (default: none, the break-even measured from step times)",
     )
+    ap.add_argument(
+        "--min-accept-rate",
+        type=float,
+        default=None,
+        help="the engines' --speculative-min-accept-rate (default: the engine's default)",
+    )
     ap.add_argument("--output-len", type=int, default=128, help="max_new_tokens (EOS allowed)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; the median counts")
     ap.add_argument("--min-requests", type=int, default=4, help="fewest requests per run (batch 1: one by one)")
@@ -246,7 +260,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
     engine_kw["load_format"] = args.load_format
     engine_kw["tokenizer_path"] = args.tokenizer_path
     engines = make_engines(
-        args.algorithms, args.num_draft_tokens, args.draft_model_path, args.min_batch_gain, **engine_kw
+        args.algorithms,
+        args.num_draft_tokens,
+        args.draft_model_path,
+        args.min_batch_gain,
+        args.min_accept_rate,
+        **engine_kw,
     )
     chats = {name: prompts for name, prompts in chat_workloads().items() if name in args.workloads}
     workloads = tokenize_workloads(engines[PLAIN], chats)

@@ -59,6 +59,42 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
     return sizes
 
 
+@torch.inference_mode()
+def capture_graphs(
+    keys: list[int], prepare: Callable[[int], None], run: Callable[[int], torch.Tensor], device: torch.device
+) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
+    """One CUDA graph of `run(key)` per key, largest key first, all in one shared memory pool (a
+    smaller graph reuses the larger ones' freed intermediates; graphs of one pool never run
+    concurrently). `prepare(key)` sets up the metadata before the warm-up forwards and the capture.
+    Returns the graphs and their output tensors (overwritten by each replay)."""
+    pool = torch.cuda.graph_pool_handle()
+    side = torch.cuda.Stream(device)
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    # No garbage collection while capturing: an object of an earlier run collected mid-capture
+    # (a pinned host buffer of a sampled step, say) is freed with CUDA calls that are illegal
+    # there and invalidate the capture. On an H200, tests/test_cuda_graph.py failed one case a
+    # run that way (2 runs of 2); with collection held off, 5 runs of 36 passed.
+    gc.collect()
+    gc.disable()
+    try:
+        for key in sorted(keys, reverse=True):
+            prepare(key)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # warm up off the capture stream, as PyTorch advises
+                for _ in range(WARMUP_FORWARDS):
+                    run(key)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs[key] = run(key)
+            graphs[key] = graph
+    finally:
+        gc.enable()
+    torch.cuda.synchronize(device)
+    return graphs, outputs
+
+
 class CudaGraphRunner:
     """Captures `model_runner.model`'s decode forward for every size in capture_batch_sizes(max_bs)
     and replays it (see the module docstring).
@@ -121,38 +157,13 @@ class CudaGraphRunner:
     def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
         return self.decode_model(fb.batch_size)(fb.input_ids, fb.positions, fb, gather_logits=not self.local_logits)
 
-    @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every batch size, largest first, into one shared memory pool (a smaller graph
-        reuses the larger ones' freed intermediates; graphs never run concurrently)."""
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        # No garbage collection while capturing: an object of an earlier run collected mid-capture
-        # (a pinned host buffer of a sampled step, say) is freed with CUDA calls that are illegal
-        # there and invalidate the capture. On an H200, tests/test_cuda_graph.py failed one case a
-        # run that way (2 runs of 2); with collection held off, 5 runs of 36 passed.
-        gc.collect()
-        gc.disable()
-        try:
-            self._capture_all(pool, side)
-        finally:
-            gc.enable()
-        torch.cuda.synchronize(self.device)
+        def prepare(bs: int) -> None:
+            self.attn_backend.init_forward_metadata_capture_cuda_graph(self.forward_batches[bs])
 
-    def _capture_all(self, pool, side: torch.cuda.Stream) -> None:
-        for bs in reversed(self.batch_sizes):
-            fb = self.forward_batches[bs]
-            self.attn_backend.init_forward_metadata_capture_cuda_graph(fb)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm up off the capture stream, as PyTorch advises
-                for _ in range(WARMUP_FORWARDS):
-                    self._run_model(fb)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._run_model(fb)
-            self.graphs[bs] = graph
-            self.outputs[bs] = out
+        self.graphs, self.outputs = capture_graphs(
+            self.batch_sizes, prepare, lambda bs: self._run_model(self.forward_batches[bs]), self.device
+        )
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         return forward_batch.forward_mode.is_decode() and 0 < forward_batch.batch_size <= self.max_bs

@@ -25,6 +25,7 @@ from labkit.model_executor.cuda_graph_runner import CudaGraphRunner
 from labkit.model_executor.forward_batch import ForwardBatch, ForwardMode
 from labkit.model_executor.future_map import FutureMap, HostSample
 from labkit.model_executor.input_logprobs import InputLogprobs
+from labkit.model_executor.prefill_graph_runner import PrefillGraphRunner
 from labkit.model_loader.loader import checkpoint_kv_scales, load_model
 from labkit.model_loader.weight_utils import kv_scales_from
 from labkit.sampling.penalties import SamplingReq
@@ -166,6 +167,8 @@ class ModelRunner:
             raise ValueError("page_size must be >= 1")
         if config.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {config.cuda_graph_max_bs}")
+        if config.cuda_graph_max_prefill_tokens < 0:
+            raise ValueError(f"cuda_graph_max_prefill_tokens must be >= 0, got {config.cuda_graph_max_prefill_tokens}")
         self.config = config
         self.tp = tp or TPGroup()
         self.device = resolve_device(config.device, self.tp.rank % ranks_per_node(config))
@@ -250,6 +253,7 @@ class ModelRunner:
         # Shapes specialize at first and turn dynamic on the first recompile (torch's default).
         self.compiled_model = compile_with_eager_attention(self.model) if config.enable_torch_compile else None
         self.cuda_graph_runner: CudaGraphRunner | None = self._build_cuda_graph_runner()
+        self.prefill_graph_runner: PrefillGraphRunner | None = self._build_prefill_graph_runner()
 
     def _use_checkpoint_kv_scales(self) -> None:
         """Give a float8 pool the checkpoint's per-layer KV scales (it keeps 1.0 without them) and log
@@ -281,6 +285,18 @@ class ModelRunner:
             return CudaGraphRunner(self, max_bs)
         except NotImplementedError as e:
             logger.info("CUDA graphs off: %s", e)
+            return None
+
+    def _build_prefill_graph_runner(self) -> PrefillGraphRunner | None:
+        """Prefill CUDA graphs: where decode graphs run, unless --cuda-graph-max-prefill-tokens is 0,
+        and with one rank only (an extend's all-reduces outgrow the custom all-reduce's buffer)."""
+        max_tokens = self.config.cuda_graph_max_prefill_tokens
+        if self.cuda_graph_runner is None or max_tokens == 0 or self.tp.size > 1:
+            return None
+        try:
+            return PrefillGraphRunner(self, max_tokens, self.req_to_token_pool.size)
+        except NotImplementedError as e:
+            logger.info("prefill CUDA graphs off: %s", e)
             return None
 
     def _enable_custom_all_reduce(self) -> None:
@@ -366,11 +382,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Next-token logits [batch_size, vocab] (model dtype) for the last token of every request.
-        Decode batches up to the largest captured size replay a CUDA graph (unless the trace records
-        expert load: the graphs were captured without it); the rest run eagerly."""
-        graphs = self.cuda_graph_runner if forward_batch.expert_load is None else None
-        if graphs is not None and graphs.can_run(forward_batch):
-            return graphs.replay(forward_batch)
+        Decode batches up to the largest captured size, and extends of up to the prefill graphs'
+        tokens, replay a CUDA graph (unless the trace records expert load: the graphs were captured
+        without it); the rest run eagerly."""
+        if forward_batch.expert_load is None:
+            for graphs in (self.cuda_graph_runner, self.prefill_graph_runner):
+                if graphs is not None and graphs.can_run(forward_batch):
+                    return graphs.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         model = self.decode_model(forward_batch.batch_size) if forward_batch.forward_mode.is_decode() else self.model
         return model(forward_batch.input_ids, forward_batch.positions, forward_batch)

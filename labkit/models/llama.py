@@ -156,7 +156,21 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """gather_logits=False returns this rank's vocabulary range only: the decode CUDA graphs
         gather after their replay (gather_logits()), keeping NCCL out of the graph."""
-        hidden = self.model(input_ids, positions, forward_batch)
+        return self.compute_logits(
+            self.hidden_states(input_ids, positions, forward_batch), forward_batch, gather_logits
+        )
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """The final hidden states [num_tokens, hidden] of every new token (before the logits)."""
+        return self.model(input_ids, positions, forward_batch)
+
+    def compute_logits(
+        self, hidden: torch.Tensor, forward_batch: ForwardBatch, gather_logits: bool = True
+    ) -> torch.Tensor:
+        """The logits of `forward` from `hidden_states`' output (the prefill CUDA graphs stop at the
+        hidden states; this part runs after their replay, eagerly)."""
         logits = self.logits_processor(hidden, self.head, forward_batch)
         return self.gather_logits(logits) if gather_logits else logits
 

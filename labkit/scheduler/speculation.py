@@ -113,13 +113,17 @@ class SchedulerSpecMixin:
         if not any(budgets):
             return False
         expected = sum(r.spec.recent_rate * b for r, b in zip(reqs, budgets))
+        if self.config.speculative_min_batch_gain is None and len(reqs) > 1:
+            realized = self.realized_gains.recent(self.step_id)
+            if realized is not None:  # alone, a request's rate is what its verify steps realized
+                expected = min(expected, realized * len(reqs))
+        return expected >= self.break_even(len(reqs)) * len(reqs)
+
+    def break_even(self, batch_size: int) -> float:
+        """Accepted drafts per request at which a verify step of batch_size requests pays:
+        speculative_min_batch_gain when set, else the measured one (labkit.speculative.step_costs)."""
         fixed = self.config.speculative_min_batch_gain
-        if fixed is not None:
-            return expected >= fixed * len(reqs)
-        realized = self.realized_gains.recent(self.step_id) if len(reqs) > 1 else None
-        if realized is not None:  # alone, a request's rate is what its verify steps realized
-            expected = min(expected, realized * len(reqs))
-        return expected >= self.step_costs.break_even(len(reqs), DEFAULT_BREAK_EVEN) * len(reqs)
+        return self.step_costs.break_even(batch_size, DEFAULT_BREAK_EVEN) if fixed is None else fixed
 
     def record_spec_step(self, batch: ScheduleBatch, seconds: float) -> None:
         """Time the step for the break-even (the leader's clock only). A step that waited for the
@@ -128,7 +132,7 @@ class SchedulerSpecMixin:
         step that realized no gain."""
         mode = batch.forward_mode
         if self.spec_attempt and mode == ForwardMode.DECODE:
-            self.realized_gains.record(self.step_id, len(batch.reqs), 0)
+            self.realized_gains.record(self.step_id, len(batch.reqs), 0, self.break_even(len(batch.reqs)))
             mode = ForwardMode.TARGET_VERIFY
         if self.tp.is_leader:
             self.step_costs.record(mode, len(batch.reqs), seconds)
@@ -188,7 +192,8 @@ class SchedulerSpecMixin:
                 out.drafts[req.rid], out.accepted[req.rid] = draft, accepted
             if req.finished():
                 finished.append(req)
-        self.realized_gains.record(self.step_id, len(batch.reqs), sum(out.accepted.values()))
+        accepted = sum(out.accepted.values())
+        self.realized_gains.record(self.step_id, len(batch.reqs), accepted, self.break_even(len(batch.reqs)))
         # One free for the batch (a free costs a few tensor ops, whatever its size), before the
         # finished requests hand the rest of their KV to the cache.
         self.allocator.free(torch.cat(rejected))

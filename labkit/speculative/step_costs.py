@@ -36,6 +36,7 @@ class StepCosts:
     decode: dict[int, deque[float]] = field(default_factory=dict)
     verify: dict[int, deque[float]] = field(default_factory=dict)
     table: dict[int, float] = field(default_factory=dict)  # bucket -> break-even gain per request
+    counts: dict[tuple[ForwardMode, int], int] = field(default_factory=dict)  # (kind, bucket) -> steps
 
     def record(self, mode: ForwardMode, batch_size: int, seconds: float) -> None:
         """One step's wall time; steps other than decode and verify (prefill, mixed) are ignored."""
@@ -43,6 +44,7 @@ class StepCosts:
         if mode not in kinds or batch_size < 1:
             return
         b = bucket(batch_size)
+        self.counts[mode, b] = self.counts.get((mode, b), 0) + 1
         kinds[mode].setdefault(b, deque(maxlen=SAMPLES)).append(seconds)
         if b in self.decode and b in self.verify:
             ratio = statistics.median(self.verify[b]) / statistics.median(self.decode[b])
@@ -54,15 +56,18 @@ class StepCosts:
         return self.table.get(bucket(batch_size), default)
 
     def summary(self) -> list[str]:
-        """A line per bucket timed both ways: batch sizes, median decode and verify step, break-even."""
+        """A line per bucket timed both ways: batch sizes, median decode and verify step (and how many
+        of each ran), break-even."""
         return [
-            f"batch {2 ** (b - 1)}-{2**b - 1}: decode {statistics.median(self.decode[b]) * 1e3:.2f} ms, "
-            f"verify {statistics.median(self.verify[b]) * 1e3:.2f} ms, break-even {self.table[b]:.2f} per request"
+            f"batch {2 ** (b - 1)}-{2**b - 1}: decode {statistics.median(self.decode[b]) * 1e3:.2f} ms "
+            f"({self.counts[ForwardMode.DECODE, b]}), verify {statistics.median(self.verify[b]) * 1e3:.2f} ms "
+            f"({self.counts[ForwardMode.TARGET_VERIFY, b]}), break-even {self.table[b]:.2f} per request"
             for b in sorted(self.table)
         ]
 
 
-GAIN_MEMORY_STEPS = 64  # a verify step's realized gain counts for this many scheduler steps
+GAIN_MEMORY_STEPS = 64  # a verify step's realized gain counts for this many scheduler steps, at first
+MAX_GAIN_MEMORY_STEPS = 1024  # and at most this many after fruitless verify steps in a row
 
 
 @dataclass
@@ -70,17 +75,21 @@ class RealizedGains:
     """What the recent verify steps of batches of several requests actually yielded, in accepted
     drafts per request of the batch. The requests' acceptance rates are each request's own; a batch
     also pays for the rows of requests that draft nothing, and the drafts that do land are often
-    those of requests about to finish anyway. A gain expires after GAIN_MEMORY_STEPS steps, so a
-    batch that stopped drafting tries again later. Computed from tokens only: every tensor-parallel
-    rank agrees."""
+    those of requests about to finish anyway. A gain expires after `memory` steps, so a batch that
+    stopped drafting tries again later: GAIN_MEMORY_STEPS, doubled by each verify step that fell
+    short of the break-even (each such probe costs a verify step's price for nothing), reset by
+    one that reached it. Computed from tokens only: every tensor-parallel rank agrees."""
 
     gains: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=SAMPLES))  # (step, gain)
+    memory: int = GAIN_MEMORY_STEPS
 
-    def record(self, step: int, batch_size: int, accepted: int) -> None:
+    def record(self, step: int, batch_size: int, accepted: int, break_even: float) -> None:
         if batch_size > 1:  # alone, a request's own rate is what its verify steps realized
-            self.gains.append((step, accepted / batch_size))
+            gain = accepted / batch_size
+            self.gains.append((step, gain))
+            self.memory = GAIN_MEMORY_STEPS if gain >= break_even else min(2 * self.memory, MAX_GAIN_MEMORY_STEPS)
 
     def recent(self, step: int) -> float | None:
         """The mean gain per request of the unexpired verify steps; None when there is none."""
-        live = [g for s, g in self.gains if step - s < GAIN_MEMORY_STEPS]
+        live = [g for s, g in self.gains if step - s < self.memory]
         return sum(live) / len(live) if live else None

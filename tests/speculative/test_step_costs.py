@@ -6,7 +6,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from labkit.model_executor.forward_batch import ForwardMode
-from labkit.speculative.step_costs import GAIN_MEMORY_STEPS, SAMPLES, RealizedGains, StepCosts, bucket
+from labkit.speculative.step_costs import (
+    GAIN_MEMORY_STEPS,
+    MAX_GAIN_MEMORY_STEPS,
+    SAMPLES,
+    RealizedGains,
+    StepCosts,
+    bucket,
+)
 from labkit.speculative.verify import SpecState
 
 DECODE, VERIFY = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY
@@ -25,7 +32,7 @@ def test_break_even_is_the_verify_to_decode_ratio_less_one_once_both_were_timed(
     assert costs.break_even(1, default=0.7) == 0.7  # another bucket: nothing timed there
     costs.record(ForwardMode.EXTEND, 16, 1.0)  # prefill steps do not count
     assert abs(costs.break_even(20, default=1.0) - 1.5) < 1e-9
-    assert costs.summary() == ["batch 16-31: decode 1.00 ms, verify 2.50 ms, break-even 1.50 per request"]
+    assert costs.summary() == ["batch 16-31: decode 1.00 ms (1), verify 2.50 ms (1), break-even 1.50 per request"]
 
 
 def test_the_median_of_the_latest_steps_ignores_a_stall_and_old_steps():
@@ -61,12 +68,27 @@ def test_without_a_fixed_gain_the_scheduler_drafts_by_its_measured_break_even():
 def test_realized_gains_are_per_request_of_batches_of_several_and_expire():
     gains = RealizedGains()
     assert gains.recent(0) is None
-    gains.record(10, 16, accepted=8)  # half a token per request
-    gains.record(12, 4, accepted=6)
-    gains.record(12, 1, accepted=4)  # alone: not a batch's gain
+    gains.record(10, 16, accepted=8, break_even=0.5)  # half a token per request
+    gains.record(12, 4, accepted=6, break_even=0.5)
+    gains.record(12, 1, accepted=4, break_even=0.5)  # alone: not a batch's gain
     assert abs(gains.recent(12) - (0.5 + 1.5) / 2) < 1e-9
     assert abs(gains.recent(10 + GAIN_MEMORY_STEPS) - 1.5) < 1e-9  # the step-10 gain expired
     assert gains.recent(12 + GAIN_MEMORY_STEPS) is None
+
+
+def test_fruitless_verify_steps_in_a_row_make_the_next_probe_wait_longer():
+    gains = RealizedGains()
+    step = 0
+    for memory in (2, 4, 8, 16):  # each probe short of the break-even doubles the wait
+        gains.record(step, 8, accepted=0, break_even=1.0)
+        assert gains.memory == memory * GAIN_MEMORY_STEPS
+        assert gains.recent(step + gains.memory - 1) == 0.0 and gains.recent(step + gains.memory) is None
+        step += gains.memory
+    for _ in range(10):
+        gains.record(step, 8, accepted=0, break_even=1.0)
+    assert gains.memory == MAX_GAIN_MEMORY_STEPS
+    gains.record(step, 8, accepted=8, break_even=1.0)  # one that pays resets it
+    assert gains.memory == GAIN_MEMORY_STEPS
 
 
 def test_a_batch_whose_verify_steps_realized_little_stops_drafting_until_that_expires():
@@ -79,11 +101,13 @@ def test_a_batch_whose_verify_steps_realized_little_stops_drafting_until_that_ex
         return [SimpleNamespace(spec=SpecState(recent_rate=rate)) for _ in range(n)]
 
     assert sched.worth_drafting(reqs(8, 1.0), [4] * 8)  # rates say 4 per request: drafts
-    sched.realized_gains.record(sched.step_id, 8, accepted=4)  # but a verify step gave 0.5 each
+    sched.realized_gains.record(sched.step_id, 8, accepted=4, break_even=1.0)  # but a verify step gave 0.5 each
     assert not sched.worth_drafting(reqs(8, 1.0), [4] * 8)
     assert sched.worth_drafting(reqs(1, 1.0), [4])  # alone, a request's own rate decides
     assert not sched.worth_drafting(reqs(3, 1.0), [4] * 3)  # another batch size: the same workload
-    sched.step_id += GAIN_MEMORY_STEPS
+    sched.step_id += 2 * GAIN_MEMORY_STEPS - 1
+    assert not sched.worth_drafting(reqs(8, 1.0), [4] * 8)  # it fell short: the wait doubled
+    sched.step_id += 1
     assert sched.worth_drafting(reqs(8, 1.0), [4] * 8)  # expired: the batch tries again
 
 
