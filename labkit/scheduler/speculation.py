@@ -192,8 +192,8 @@ class SchedulerSpecMixin:
                 out.drafts[req.rid], out.accepted[req.rid] = draft, accepted
             if req.finished():
                 finished.append(req)
-        accepted = sum(out.accepted.values())
-        self.realized_gains.record(self.step_id, len(batch.reqs), accepted, self.break_even(len(batch.reqs)))
+        kept_drafts = sum(out.accepted.values())
+        self.realized_gains.record(self.step_id, len(batch.reqs), kept_drafts, self.break_even(len(batch.reqs)))
         # One free for the batch (a free costs a few tensor ops, whatever its size), before the
         # finished requests hand the rest of their KV to the cache.
         self.allocator.free(torch.cat(rejected))
