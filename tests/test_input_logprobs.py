@@ -49,7 +49,7 @@ ENGINES = {
 @pytest.fixture(scope="module", params=list(ENGINES))
 def engine(request, checkpoint):
     _, path = checkpoint
-    engine = Engine(model_path=str(path), max_total_tokens=1024, **ENGINES[request.param])
+    engine = Engine(model_path=str(path), dtype="float32", max_total_tokens=1024, **ENGINES[request.param])
     yield engine
     engine.flush_cache()
     assert engine.allocator.available_size() == engine.allocator.size
