@@ -66,8 +66,10 @@ class _GraphBuffers:
 class _PrefillGraphBuffers:
     """Extend state for the prefill CUDA graphs, allocated once (see init_prefill_graph_state)."""
 
-    lens: torch.Tensor  # [3, max_rows] int64: prefix lens, extend lens, first rows
-    tiles: torch.Tensor  # [2, max_tiles] int32: ExtendPlan.tiles, padded with idle tiles
+    # Flat, so a replay fills each with one contiguous copy: a graph of `rows` rows and `tiles` tiles
+    # reads lens[:3 rows] (prefix lens, extend lens, first rows) and tiles[:2 tiles] (ExtendPlan.tiles).
+    lens: torch.Tensor  # [3 * max_rows] int64
+    tiles: torch.Tensor  # [2 * max_tiles] int32
 
 
 @register_attention_backend("triton")
@@ -156,8 +158,8 @@ class TritonAttnBackend(AttentionBackend):
     def init_prefill_graph_state(self, max_tokens: int, max_rows: int) -> None:
         max_tiles = ExtendPlan.max_tiles(max_tokens, max_rows, self.extend_blocks)
         self.prefill_graph = _PrefillGraphBuffers(
-            torch.zeros(3, max_rows, dtype=torch.int64, device=self.device),
-            torch.zeros(2, max_tiles, dtype=torch.int32, device=self.device),
+            torch.zeros(3 * max_rows, dtype=torch.int64, device=self.device),
+            torch.zeros(2 * max_tiles, dtype=torch.int32, device=self.device),
         )
 
     def _prefill_graph_views(self, fb: ForwardBatch) -> tuple[_PrefillGraphBuffers, int]:
@@ -168,18 +170,18 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata_capture_prefill_graph(self, forward_batch: ForwardBatch) -> None:
         g, num_tiles = self._prefill_graph_views(forward_batch)
         self.init_forward_metadata_replay_prefill_graph(forward_batch)  # valid values for the warm-ups
-        lens, bs = g.lens[:, : forward_batch.batch_size], forward_batch.batch_size
-        plan = ExtendPlan(g.tiles[0, :num_tiles], g.tiles[1, :num_tiles], self.extend_blocks)
+        prefix, extend, starts = g.lens[: 3 * forward_batch.batch_size].chunk(3)
+        tile_req, tile_start = g.tiles[: 2 * num_tiles].chunk(2)
         self.decode = None
-        self.extend = _ExtendMetadata(lens[0, :bs], lens[1, :bs], lens[2, :bs], plan)
+        self.extend = _ExtendMetadata(prefix, extend, starts, ExtendPlan(tile_req, tile_start, self.extend_blocks))
 
     def init_forward_metadata_replay_prefill_graph(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
         g, num_tiles = self._prefill_graph_views(fb)
         lens = _extend_lens(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)
         tiles = ExtendPlan.tiles(fb.extend_seq_lens_cpu, self.extend_blocks, num_tiles)
-        g.lens[:, : fb.batch_size].copy_(torch.tensor(lens).reshape(3, -1), non_blocking=True)
-        g.tiles[:, :num_tiles].copy_(torch.tensor(tiles, dtype=torch.int32).reshape(2, -1), non_blocking=True)
+        g.lens[: 3 * fb.batch_size].copy_(torch.tensor(lens, dtype=torch.int64), non_blocking=True)
+        g.tiles[: 2 * num_tiles].copy_(torch.tensor(tiles, dtype=torch.int32), non_blocking=True)
 
     # ---- per layer ----------------------------------------------------------------------------
     def forward_decode(

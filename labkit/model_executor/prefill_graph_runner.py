@@ -78,7 +78,8 @@ class PrefillGraphRunner:
         def buf(size: int, fill: int) -> torch.Tensor:
             return torch.full((size,), fill, dtype=torch.int64, device=self.device)
 
-        self.input_ids, self.positions, self.out_cache_loc = buf(max_tokens, 0), buf(max_tokens, 0), buf(max_tokens, 0)
+        self.input_ids, self.positions = buf(max_tokens, 0), buf(max_tokens, 0)
+        self.out_cache_loc = buf(max_tokens, PAD_SLOT)
         self.req_pool_indices, self.seq_lens = buf(max_rows, PAD_REQ_POOL_IDX), buf(max_rows, 0)
         self.forward_batches = {t: self._static_batch(model_runner, t) for t in self.token_counts}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -153,7 +154,7 @@ class PrefillGraphRunner:
             self.out_cache_loc[num_tokens:t].fill_(PAD_SLOT)
         self.req_pool_indices[n : static.batch_size].fill_(PAD_REQ_POOL_IDX)
         static.seq_lens_cpu = [*fb.seq_lens_cpu, pad, *[0] * empty]
-        static.extend_prefix_lens_cpu = [*fb.extend_prefix_lens_cpu, 0, *[0] * empty]
+        static.extend_prefix_lens_cpu = [*fb.extend_prefix_lens_cpu, *[0] * (empty + 1)]
         static.extend_seq_lens_cpu = [*fb.extend_seq_lens_cpu, pad, *[0] * empty]
         if self.use_cuda_graph:
             self.attn_backend.init_forward_metadata_replay_prefill_graph(static)
