@@ -1,8 +1,9 @@
 """Triton kernels (import path labkit.kernels), each with a plain-PyTorch reference in
 labkit.kernels.reference: store_kv (kv_cache.py), decode_attention (decode.py), extend_attention
 (extend.py), rmsnorm and fused_add_rmsnorm (norm.py), rotary_embedding (rotary.py), silu_and_mul
-(activation.py), moe_align_block_size (moe_align.py) and fused_moe (fused_moe.py); and gemv
-(gemv.py: a one-row linear layer, whose reference is F.linear).
+(activation.py), moe_align_block_size (moe_align.py) and fused_moe (fused_moe.py); and gemv,
+gemv_rmsnorm and gemv_silu_and_mul (gemv.py: a one-row linear layer, alone or after the norm or the
+activation that precedes it; the references are F.linear after those).
 `python -m labkit.kernels.bench` times the attention kernels on a GPU, `python -m
 labkit.kernels.bench_moe` the mixture-of-experts kernels.
 
@@ -15,7 +16,7 @@ from labkit.kernels.activation import silu_and_mul
 from labkit.kernels.decode import decode_attention, decode_kv_splits
 from labkit.kernels.extend import ExtendPlan, extend_attention
 from labkit.kernels.fused_moe import fused_moe
-from labkit.kernels.gemv import gemv
+from labkit.kernels.gemv import gemv, gemv_rmsnorm, gemv_silu_and_mul
 from labkit.kernels.kv_cache import store_kv
 from labkit.kernels.moe_align import moe_align_block_size
 from labkit.kernels.norm import fused_add_rmsnorm, rmsnorm
@@ -29,6 +30,8 @@ __all__ = [
     "fused_add_rmsnorm",
     "fused_moe",
     "gemv",
+    "gemv_rmsnorm",
+    "gemv_silu_and_mul",
     "moe_align_block_size",
     "rmsnorm",
     "rotary_embedding",

@@ -3,19 +3,19 @@ drafter, on a copy-heavy workload and on plain chat.
 
     python -m labkit.bench.speculative [--algorithms ngram draft] [--workloads copy chat] [--batch-sizes 1 16]
                                        [--num-draft-tokens 4] [--min-batch-gain G] [--min-accept-rate R]
-                                       [--output-len 128] [--repeats 3] [--min-requests 4] [--device auto]
-                                       [--dtype auto]
+                                       [--output-len 128] [--repeats 3] [--min-requests 4] [--min-groups 1]
+                                       [--device auto] [--dtype auto]
                                        [--draft-model-path PATH] [--json out.json]
                                        [--model-path smollm2-135m --load-format dummy --tokenizer-path DIR]
 
 Workloads (data/workloads/speculative.json, chat prompts of the embedded model): `copy` asks the
 model to repeat or correct a paragraph given in the prompt (three of the file's short texts), the
 case n-gram drafting serves; `chat` asks short questions with nothing to copy. Batch size b: at
-least --min-requests requests (a multiple of b), submitted b at a time through
-`Engine.generate(list)`, groups one after another. Greedy, EOS allowed: output tokens/s counts the
-tokens each request actually produced, and every speculative output is checked against the plain one
-of the same round (greedy: they should be equal; `mismatch` counts the requests that differed in any
-round). Every engine is warmed up once; each round runs every engine in turn (the order reversed
+least --min-requests requests and --min-groups groups (a multiple of b), submitted b at a time
+through `Engine.generate(list)`, groups one after another. Greedy, EOS allowed: output tokens/s
+counts the tokens each request actually produced, and every speculative output is checked against
+the plain one of the same round (greedy: they should be equal; `mismatch` counts the requests that
+differed in any round). Every engine is warmed up once; each round runs every engine in turn (the order reversed
 every other round), so a shared machine's slow spells hit them alike, and the speed-up is the median
 over the rounds of each round's ratio to the plain engine; the cache is flushed before each run.
 Acceptance length = (accepted drafts + verify steps) / verify steps, the tokens one verify forward
@@ -120,9 +120,12 @@ def make_engines(
     return engines
 
 
-def _requests(prompts: list[list[int]], batch_size: int, min_requests: int) -> list[list[list[int]]]:
-    """Groups of `batch_size` prompts (taken in turn), at least `min_requests` prompts in all."""
-    groups = -(-max(batch_size, min_requests) // batch_size)
+def _requests(
+    prompts: list[list[int]], batch_size: int, min_requests: int, min_groups: int = 1
+) -> list[list[list[int]]]:
+    """Groups of `batch_size` prompts (taken in turn): at least `min_requests` prompts and
+    `min_groups` groups in all."""
+    groups = max(min_groups, -(-max(batch_size, min_requests) // batch_size))
     return [[prompts[(g * batch_size + i) % len(prompts)] for i in range(batch_size)] for g in range(groups)]
 
 
@@ -146,6 +149,7 @@ def bench(
     repeats: int,
     min_requests: int = 4,
     ignore_eos: bool = False,
+    min_groups: int = 1,
 ) -> list[Row]:
     """One Row per workload x batch size x engine ("plain" must be among the engines): `repeats`
     rounds, each running every engine on the same requests in turn."""
@@ -155,7 +159,7 @@ def bench(
     rows = []
     for workload, prompts in workloads.items():
         for bs in batch_sizes:
-            groups = _requests(prompts, bs, min_requests)
+            groups = _requests(prompts, bs, min_requests, min_groups)
             rates: dict[str, list[float]] = {name: [] for name in engines}
             last: dict[str, list[dict]] = {}
             differed: dict[str, set[int]] = {name: set() for name in engines}
@@ -242,6 +246,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--output-len", type=int, default=128, help="max_new_tokens (EOS allowed)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; the median counts")
     ap.add_argument("--min-requests", type=int, default=4, help="fewest requests per run (batch 1: one by one)")
+    ap.add_argument(
+        "--min-groups",
+        type=int,
+        default=1,
+        help="fewest groups of a batch size per run (longer rounds at large batches: less timing noise)",
+    )
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) or float32")
     ap.add_argument(
@@ -269,7 +279,15 @@ def main(argv: list[str] | None = None) -> list[Row]:
     )
     chats = {name: prompts for name, prompts in chat_workloads().items() if name in args.workloads}
     workloads = tokenize_workloads(engines[PLAIN], chats)
-    rows = bench(engines, workloads, args.batch_sizes, args.output_len, args.repeats, args.min_requests)
+    rows = bench(
+        engines,
+        workloads,
+        args.batch_sizes,
+        args.output_len,
+        args.repeats,
+        args.min_requests,
+        min_groups=args.min_groups,
+    )
 
     runner = engines[PLAIN].model_runner
     where = f"{runner.device}, {runner.dtype}"

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.distributed.parallel_state import TPGroup, split_evenly
+from labkit.layers.activation import SiluAndMul
 from labkit.layers.fused import triton_kernels, use_triton_kernels
+from labkit.layers.rmsnorm import RMSNorm
 
 GEMV_MAX_K_PER_N = 4  # in/out features beyond which the GEMV kernel lost to cuBLAS (see matmul)
 
@@ -36,18 +38,28 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T (+ bias): a single 16-bit row on CUDA goes through labkit's GEMV kernel where it
-        beat cuBLAS on an H200 (every batch-1 decode projection but tall-K ones such as Qwen2.5's
-        down_proj, 4864 -> 896, where cuBLAS's split-K wins); anything else through F.linear."""
+    def gemv_takes(self, x: torch.Tensor, width: int) -> bool:
+        """Whether x goes through labkit's GEMV kernel: a single 16-bit row (of `width` features) on
+        CUDA, where the kernel beat cuBLAS on an H200 (every batch-1 decode projection but tall-K
+        ones such as Qwen2.5's down_proj, 4864 -> 896, where cuBLAS's split-K wins)."""
         out_features, in_features = self.weight.shape
-        if (
-            x.numel() == in_features
+        return (
+            x.numel() == width
             and x.dtype != torch.float32
             and self.weight.stride(1) == 1
             and in_features <= GEMV_MAX_K_PER_N * out_features
             and use_triton_kernels(x)
-        ):
+        )
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, act: SiluAndMul | None = None) -> torch.Tensor:
+        """act(x) W^T (+ bias) (act: the gated MLP's activation, or none): through the GEMV kernel
+        where it takes the row (with the activation in its prologue), else through F.linear."""
+        in_features = self.weight.shape[1]
+        if act is not None:
+            if self.gemv_takes(x, 2 * in_features):
+                return triton_kernels().gemv_silu_and_mul(x, self.weight, bias)
+            x = act(x)
+        if self.gemv_takes(x, in_features):
             return triton_kernels().gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
@@ -93,6 +105,19 @@ class ColumnParallelLinear(LinearBase):
             raise ValueError(f"block {i}: checkpoint rows {full.shape[0]} != {self.block_sizes[i]}")
         _copy(param.data.narrow(0, offset, n), full.narrow(0, start, n), type(self).__name__)
 
+    def forward_normed(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual) W^T (+ b), x + residual), or (norm(x) W^T (+ b), x) without a
+        residual: a decoder layer's norm and the projection after it. Where the GEMV kernel takes
+        the row, one kernel (the norm in its prologue) instead of two."""
+        if self.gemv_takes(x, self.weight.shape[1]):
+            return triton_kernels().gemv_rmsnorm(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        if residual is None:
+            return self(norm(x)), x
+        normed, residual = norm(x, residual)
+        return self(normed), residual
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """gate_proj and up_proj as one matmul: blocks [gate, up], each split over the ranks."""
@@ -133,10 +158,11 @@ class RowParallelLinear(LinearBase):
         self.in_local = split_evenly(in_features, tp.size, "input features")
         super().__init__(self.in_local, out_features, bias, tp, (out_features, in_features))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, act: SiluAndMul | None = None) -> torch.Tensor:
+        """act(x) W^T (+ b), act applied to this rank's slice of x (see matmul)."""
         if self.tp.size == 1:
-            return self.matmul(x, self.bias)
-        out = self.tp.all_reduce(self.matmul(x, None))
+            return self.matmul(x, self.bias, act)
+        out = self.tp.all_reduce(self.matmul(x, None, act))
         return out if self.bias is None else out + self.bias
 
     def load(self, param: nn.Parameter, full: torch.Tensor, shard_id: int | None = None) -> None:

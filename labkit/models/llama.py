@@ -44,16 +44,30 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, rope: RopeInputs, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, rope: RopeInputs, qkv: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Attention from qkv_proj's output (the decoder layer runs qkv_proj: it fuses its norm in)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = rope.apply(q, k, self.q_norm, self.k_norm)  # q/k norm (Qwen3) fused into rope on CUDA
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
 
-class LlamaMLP(nn.Module):
-    """The gated MLP. Like every MLP block (the MoE ones too) it takes the ForwardBatch along."""
+class MLPBlock(nn.Module):
+    """A decoder layer's MLP block (the gated MLP, an MoE block): forward(hidden, forward_batch)
+    -> [T, H] from the normalized hidden states, the ForwardBatch taken along."""
+
+    def forward_normed(
+        self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(hidden + residual)), hidden + residual): the block with the norm before it,
+        which a block may fuse into its first projection."""
+        normed, residual = norm(hidden, residual)
+        return self(normed, forward_batch), residual
+
+
+class LlamaMLP(MLPBlock):
+    """The gated MLP; its activation runs in down_proj's GEMV prologue where that takes the row."""
 
     def __init__(self, config: Any, tp: TPGroup, intermediate_size: int | None = None) -> None:
         super().__init__()
@@ -64,15 +78,21 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor, forward_batch: ForwardBatch | None = None) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), self.act_fn)
+
+    def forward_normed(
+        self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up, residual = self.gate_up_proj.forward_normed(hidden, residual, norm)
+        return self.down_proj(gate_up, self.act_fn), residual
 
 
-MLPFactory = Callable[[Any, int, TPGroup], nn.Module]  # (hf config, layer id, tp) -> the layer's MLP block
+MLPFactory = Callable[[Any, int, TPGroup], MLPBlock]  # (hf config, layer id, tp) -> the layer's MLP block
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: Any, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TPGroup, mlp: nn.Module
+        self, config: Any, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp: TPGroup, mlp: MLPBlock
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, qkv_bias, o_bias, qk_norm, tp)
@@ -83,14 +103,11 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None, forward_batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add is fused into the next norm: (norm(h + r), h + r).
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, forward_batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, forward_batch), residual
+        # The residual add runs in the next norm, (norm(h + r), h + r), and the norm in the projection
+        # after it: one kernel at batch 1 on CUDA (labkit.kernels.gemv_rmsnorm).
+        qkv, residual = self.self_attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm)
+        hidden = self.self_attn(rope, qkv, forward_batch)
+        return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm, forward_batch)
 
 
 class LlamaModel(nn.Module):
@@ -174,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         logits = self.logits_processor(hidden, self.head, forward_batch)
         return self.gather_logits(logits) if gather_logits else logits
 
-    def build_mlp(self, config: Any, layer_id: int, tp: TPGroup) -> nn.Module:
+    def build_mlp(self, config: Any, layer_id: int, tp: TPGroup) -> MLPBlock:
         """Layer `layer_id`'s MLP block (an MoE model makes some of them experts)."""
         return LlamaMLP(config, tp)
 

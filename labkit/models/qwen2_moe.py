@@ -18,7 +18,7 @@ from torch import nn
 
 from labkit.distributed.parallel_state import TPGroup
 from labkit.layers.moe import FusedMoE, TopKConfig, select_experts
-from labkit.models.llama import LlamaForCausalLM, LlamaMLP
+from labkit.models.llama import LlamaForCausalLM, LlamaMLP, MLPBlock
 from labkit.models.registry import register_model
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ def moe_layer_ids(config: Any) -> list[int]:
     return [i for i in range(config.num_hidden_layers) if i not in skip and (i + 1) % step == 0]
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(MLPBlock):
     """Router, top-k, experts (and the gated shared expert when `shared`). forward(hidden [T, H],
     forward_batch) -> [T, H]; with forward_batch.expert_load set, adds how many tokens each expert
     received to row `moe_index` of it (the trace's expert-load record)."""
@@ -84,7 +84,7 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
     def moe_layer_ids(self) -> list[int]:
         return moe_layer_ids(self.config)
 
-    def build_mlp(self, config: Any, layer_id: int, tp: TPGroup) -> nn.Module:
+    def build_mlp(self, config: Any, layer_id: int, tp: TPGroup) -> MLPBlock:
         sparse = moe_layer_ids(config)
         if layer_id not in sparse:
             return LlamaMLP(config, tp)

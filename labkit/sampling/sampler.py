@@ -16,6 +16,7 @@ import torch
 
 from labkit.constrained.bitmask import VocabMask
 from labkit.sampling.penalties import Penalties, SamplingReq, min_tokens_ban, to_device
+from labkit.sampling.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
@@ -29,20 +30,47 @@ def _mix_seed(seed: int, step: int) -> int:
 
 
 @dataclass
-class SamplingBatchInfo:
-    """Per-row sampling tensors for one step, built once from the batch's requests."""
+class SampledRows:
+    """The tensors of a batch in which some rows sample (temperature > 0); every row has one."""
 
-    vocab_size: int
     temperatures: torch.Tensor  # [bs, 1] float32; 1.0 on greedy rows (they never divide)
     top_ps: torch.Tensor  # [bs] float32
     top_ks: torch.Tensor  # [bs] int64, clamped to [1, vocab]; vocab means "off"
     filter_width: int  # largest top_k among sampled rows: top-k/top-p need only that many candidates
     min_ps: torch.Tensor  # [bs] float32
     is_greedy: torch.Tensor  # [bs] bool
-    all_greedy: bool
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> SampledRows:
+        greedy = [p.is_greedy for p in params]
+        top_ks = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
+        sampled = [(p, k) for p, k, g in zip(params, top_ks, greedy) if not g]
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return to_device(values, torch.float32, device)
+
+        return cls(
+            temperatures=f32([1.0 if g else p.temperature for p, g in zip(params, greedy)]).unsqueeze(1),
+            top_ps=f32([p.top_p for p in params]),
+            top_ks=to_device(top_ks, torch.int64, device),
+            min_ps=f32([p.min_p for p in params]),
+            is_greedy=to_device(greedy, torch.bool, device),
+            filter_width=max((k for _, k in sampled), default=vocab_size),
+            need_top_k=any(k < vocab_size for _, k in sampled),
+            need_top_p=any(p.top_p < 1 for p, _ in sampled),
+            need_min_p=any(p.min_p > 0 for p, _ in sampled),
+        )
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Per-row sampling tensors for one step, built once from the batch's requests."""
+
+    vocab_size: int
+    sampled: SampledRows | None  # None when every row is greedy: an argmax needs no per-row tensors
     penalties: Penalties | None
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) blocked by min_new_tokens
     seeds: list[int | None]  # per-row generator seed for this step (already mixed with the step)
@@ -53,6 +81,10 @@ class SamplingBatchInfo:
     @property
     def batch_size(self) -> int:
         return len(self.seeds)
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.sampled is None
 
     @property
     def need_logprobs(self) -> bool:
@@ -74,24 +106,9 @@ class SamplingBatchInfo:
         device = torch.device(device)
         params = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in params]
-        top_ks = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
-        sampled = [(p, k) for p, k, g in zip(params, top_ks, greedy) if not g]
-
-        def f32(values: list[float]) -> torch.Tensor:
-            return to_device(values, torch.float32, device)
-
         return cls(
             vocab_size=vocab_size,
-            temperatures=f32([1.0 if g else p.temperature for p, g in zip(params, greedy)]).unsqueeze(1),
-            top_ps=f32([p.top_p for p in params]),
-            top_ks=to_device(top_ks, torch.int64, device),
-            min_ps=f32([p.min_p for p in params]),
-            is_greedy=to_device(greedy, torch.bool, device),
-            all_greedy=all(greedy),
-            filter_width=max((k for _, k in sampled), default=vocab_size),
-            need_top_k=any(k < vocab_size for _, k in sampled),
-            need_top_p=any(p.top_p < 1 for p, _ in sampled),
-            need_min_p=any(p.min_p > 0 for p, _ in sampled),
+            sampled=None if all(greedy) else SampledRows.build(params, vocab_size, device),
             penalties=Penalties.build(reqs, vocab_size, device),
             banned=min_tokens_ban(reqs, eos_token_ids, device),
             seeds=[
@@ -153,12 +170,12 @@ class Sampler:
             logits = info.vocab_mask.apply(logits)
 
         greedy_ids = torch.argmax(logits, dim=-1)
-        if info.all_greedy:
+        if info.sampled is None:
             next_ids = greedy_ids
         else:
             probs = filtered_probs(logits, info)
             sampled_ids = torch.argmax(probs / self._exp_noise(probs, info.seeds), dim=-1)
-            next_ids = torch.where(info.is_greedy, greedy_ids, sampled_ids)
+            next_ids = torch.where(info.sampled.is_greedy, greedy_ids, sampled_ids)
 
         if not info.need_logprobs:
             return SampleOutput(next_ids, None, None)
@@ -182,29 +199,33 @@ class Sampler:
 
 def filtered_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """Softmax of ``logits / temperature`` with top-k, then top-p, then min-p applied (not renormalized:
-    filtered tokens get probability 0; the rest keep their relative weights)."""
-    probs = torch.softmax(logits / info.temperatures, dim=-1)
-    if info.need_top_k or info.need_top_p:
+    filtered tokens get probability 0; the rest keep their relative weights). `info` must have
+    sampled rows."""
+    if info.sampled is None:
+        raise ValueError("filtered_probs needs a batch with sampled rows (this one is all greedy)")
+    rows = info.sampled
+    probs = torch.softmax(logits / rows.temperatures, dim=-1)
+    if rows.need_top_k or rows.need_top_p:
         # A partial sort (topk) when every sampled row has a top-k bound: much cheaper than a full sort.
-        if info.filter_width < probs.shape[1]:
-            sorted_probs, order = torch.topk(probs, info.filter_width, dim=-1)
+        if rows.filter_width < probs.shape[1]:
+            sorted_probs, order = torch.topk(probs, rows.filter_width, dim=-1)
         else:
             sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         ranks = torch.arange(sorted_probs.shape[1], device=probs.device)
         drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
-        if info.need_top_k:
-            drop |= ranks.unsqueeze(0) >= info.top_ks.unsqueeze(1)
+        if rows.need_top_k:
+            drop |= ranks.unsqueeze(0) >= rows.top_ks.unsqueeze(1)
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        if info.need_top_p:
+        if rows.need_top_p:
             # Top-p over the top-k-renormalized distribution: keep the smallest prefix whose mass
             # reaches top_p, i.e. drop a token when the mass strictly before it already does.
             cum = torch.cumsum(sorted_probs, dim=-1)
             mass_before = (cum - sorted_probs) / cum[:, -1:]
-            drop |= mass_before >= info.top_ps.unsqueeze(1)
+            drop |= mass_before >= rows.top_ps.unsqueeze(1)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
-    if info.need_min_p:
+    if rows.need_min_p:
         # min-p is relative to the top token, which no earlier filter removes, so order is immaterial.
-        threshold = info.min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        threshold = rows.min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
 

@@ -119,6 +119,19 @@ class SchedulerSpecMixin:
                 expected = min(expected, realized * len(reqs))
         return expected >= self.break_even(len(reqs)) * len(reqs)
 
+    def drafting_budgets(self, reqs: list[Req]) -> list[int] | None:
+        """draft_budgets(reqs) when worth_drafting says drafting pays for them, else None. The
+        common refusal is decided first, without a pass over the requests: a batch whose recent
+        verify steps realized less than the break-even (worth_drafting would cap its expected gain
+        there). It runs before every decode step, on the host's share of the step."""
+        realized = None
+        if self.config.speculative_min_batch_gain is None and len(reqs) > 1:
+            realized = self.realized_gains.recent(self.step_id)
+        if realized is not None and realized < self.break_even(len(reqs)):
+            return None
+        budgets = self.draft_budgets(reqs)
+        return budgets if self.worth_drafting(reqs, budgets) else None
+
     def break_even(self, batch_size: int) -> float:
         """Accepted drafts per request at which a verify step of batch_size requests pays:
         speculative_min_batch_gain when set, else the measured one (labkit.speculative.step_costs)."""
@@ -139,11 +152,11 @@ class SchedulerSpecMixin:
 
     def prepare_verify(self, batch: ScheduleBatch) -> bool:
         """Make a DECODE batch a TARGET_VERIFY one: its requests' drafts, their KV slots and the
-        sampler's rows. False (the batch untouched) when drafting does not pay (worth_drafting), no
+        sampler's rows. False (the batch untouched) when drafting does not pay (drafting_budgets), no
         request drafts, or the slots are short."""
         assert self.drafter is not None
-        budgets = self.draft_budgets(batch.reqs)
-        if not self.worth_drafting(batch.reqs, budgets):
+        budgets = self.drafting_budgets(batch.reqs)
+        if budgets is None:
             return False
         drafts = self.propose(batch.reqs, budgets)
         vocab = self.model_runner.vocab_size

@@ -55,3 +55,4 @@ def test_workloads_and_groups():
     assert _requests(prompts, 1, 3) == [[[0]], [[1]], [[2]]]
     assert _requests(prompts, 4, 1) == [[[0], [1], [2], [3]]]
     assert _requests(prompts, 2, 3) == [[[0], [1]], [[2], [3]]]
+    assert _requests(prompts, 2, 1, min_groups=3) == [[[0], [1]], [[2], [3]], [[4], [0]]]

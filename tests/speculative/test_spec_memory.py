@@ -78,7 +78,7 @@ def test_rejected_drafts_slots_are_free_again_after_their_step():
 
 
 def test_a_request_whose_drafts_keep_failing_stops_drafting_and_outputs_are_unchanged():
-    kw = dict(model_path="tiny-llama", load_format="dummy", max_total_tokens=4096)
+    kw = dict(model_path="tiny-llama", load_format="dummy", max_total_tokens=4096, dtype="float32")
     params = {"max_new_tokens": 80, "ignore_eos": True, "temperature": 0}
     plain = Engine(**kw).generate(input_ids=[9, 8, 7], sampling_params=params)
     out = Engine(**kw, **FIXED_GAIN, speculative_algorithm="test-wrong").generate(

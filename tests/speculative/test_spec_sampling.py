@@ -16,8 +16,11 @@ from tests.speculative.conftest import COPY, FIXED_GAIN
 
 @pytest.fixture(scope="module")
 def engines(embedded_dir):
-    plain = Engine(max_total_tokens=4096)
-    spec = Engine(max_total_tokens=4096, **FIXED_GAIN, speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+    # float32 on every device: in bfloat16 a verify row (extend attention over the drafts) and the
+    # decode row it replaces round differently, which flips near-ties and moves logprobs by ~1e-2.
+    kw = {"max_total_tokens": 4096, "dtype": "float32"}
+    plain = Engine(**kw)
+    spec = Engine(**kw, **FIXED_GAIN, speculative_algorithm="ngram", speculative_num_draft_tokens=4)
     return plain, spec
 
 

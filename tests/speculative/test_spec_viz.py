@@ -28,10 +28,13 @@ PARAMS = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 
 
 def traced_run(algorithm: str, speculative_min_accept_rate: float = 0.0):
+    # Without overlap (the CUDA default), so that every step a request runs in yields its token: with
+    # it, the step launched while the request finished yields none, and the count below is one off.
     engine = Engine(
         model_path="tiny-llama", load_format="dummy", enable_trace=True, max_total_tokens=4096,
         speculative_algorithm=algorithm, speculative_num_draft_tokens=K,
         speculative_min_accept_rate=speculative_min_accept_rate, speculative_min_batch_gain=0,
+        disable_overlap_schedule=True,
     )  # fmt: skip
     outs = engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
     return Run.of(engine), {o["meta_info"]["id"]: o for o in outs}

@@ -1,0 +1,57 @@
+"""The decoder layer's norms and the MLP's activation fused into the projections after them (the GEMV
+kernel's prologues, taken by a single 16-bit row on CUDA): a model decodes through them as through
+the separate kernels. On CPU the GEMV path is forced for float32 rows and runs in Triton's
+interpreter; on CUDA the layers take it by themselves in bfloat16 (from the decode CUDA graphs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import labkit.kernels
+from labkit import Engine
+from labkit.layers.linear import LinearBase
+
+CUDA = torch.cuda.is_available()
+PROMPT = [5, 17, 42, 99, 42, 7]
+PARAMS = {"temperature": 0, "max_new_tokens": 5, "return_logprob": True, "ignore_eos": True}
+FUSED = ["gemv_rmsnorm", "gemv_silu_and_mul"]
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    calls = dict.fromkeys(FUSED, 0)
+
+    def counting(name: str):
+        kernel = getattr(labkit.kernels, name)
+
+        def counted(*args):
+            calls[name] += 1
+            return kernel(*args)
+
+        return counted
+
+    for name in FUSED:
+        monkeypatch.setattr(labkit.kernels, name, counting(name))
+    return calls
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3", "tiny-qwen2-moe"])
+def test_fused_projections_decode_as_the_separate_kernels(model, monkeypatch):
+    device, dtype = ("cuda", "bfloat16") if CUDA else ("cpu", "float32")
+    kw = {"model_path": model, "load_format": "dummy", "device": device, "dtype": dtype}
+    with monkeypatch.context() as m:
+        m.setattr(LinearBase, "gemv_takes", lambda self, x, width: False)  # the separate kernels
+        ref = Engine(**kw).generate(input_ids=PROMPT, sampling_params=PARAMS)
+    if not CUDA:  # float32 rows take the GEMV path only when forced
+        monkeypatch.setattr(LinearBase, "gemv_takes", lambda self, x, width: x.numel() == width)
+    calls = count_calls(monkeypatch)
+    engine = Engine(**kw)
+    for module in engine.model_runner.model.modules():
+        if isinstance(module, LinearBase):  # the GEMV reads rows: undo the CPU runner's [in, out] layout
+            module.weight.data = module.weight.data.contiguous()
+    out = engine.generate(input_ids=PROMPT, sampling_params=PARAMS)
+    assert all(calls.values()), calls  # the decode steps took both fused kernels
+    assert out["output_ids"] == ref["output_ids"]
+    tol = 2e-2 if CUDA else 1e-4  # bfloat16: the fused kernel sums in another order
+    for (a, _), (b, _) in zip(out["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_token_logprobs"]):
+        assert a == pytest.approx(b, abs=tol)
