@@ -24,9 +24,7 @@ FUSED = {"forward_normed": ColumnParallelLinear.forward_normed, "matmul": Linear
 
 
 def unfused_forward_normed(self, x, residual, norm: RMSNorm):
-    if residual is None:
-        return self(norm(x)), x
-    normed, residual = norm(x, residual)
+    normed, residual = norm.add_and_norm(x, residual)
     return self(normed), residual
 
 

@@ -95,20 +95,24 @@ def test_default_backend_hooks_refuse_graphs():
             call()
 
 
+def engine_kwargs(checkpoint, page_size: int, **overrides) -> dict:
+    """Engine keywords of the graph tests: the checkpoint in float32 on CUDA if there is one, the
+    triton backend (Triton's interpreter on CPU), a 1024-token pool; `overrides` replace or add."""
+    return {
+        "model_path": str(checkpoint),
+        "device": "cuda" if CUDA else "cpu",
+        "dtype": "float32",
+        "page_size": page_size,
+        "max_total_tokens": 1024,
+        "attention_backend": "triton",
+    } | overrides
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_padded_static_path_matches_eager_decode(checkpoint, page_size):
     """The graph path minus the capture: padding rows, static buffers, the triton backend's
     capture/replay hooks. Same tokens and logprobs as plain decode, and no slot leaks."""
-    device = "cuda" if CUDA else "cpu"
-    kwargs = dict(
-        model_path=str(checkpoint),
-        device=device,
-        dtype="float32",
-        page_size=page_size,
-        max_total_tokens=1024,
-        attention_backend="triton",
-        disable_cuda_graph=True,
-    )
+    kwargs = engine_kwargs(checkpoint, page_size, disable_cuda_graph=True)
     prompts, params = _workload(5 if CUDA else 3)  # Triton's interpreter is slow: fewer steps on CPU
     base = Engine(**kwargs).generate(input_ids=prompts, sampling_params=params)
     engine = Engine(**kwargs)
@@ -134,14 +138,7 @@ BACKEND_DTYPES = [
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("num_reqs, max_bs", [(11, 16), (1, 16), (13, 4)])
 def test_cuda_graph_outputs_equal_eager(checkpoint, backend, dtype, tol, page_size, num_reqs, max_bs):
-    kwargs = dict(
-        model_path=str(checkpoint),
-        device="cuda",
-        dtype=dtype,
-        page_size=page_size,
-        max_total_tokens=4096,
-        attention_backend=backend,
-    )
+    kwargs = engine_kwargs(checkpoint, page_size, dtype=dtype, max_total_tokens=4096, attention_backend=backend)
     prompts, params = _workload(num_reqs)
     eager = Engine(**kwargs, disable_cuda_graph=True)
     assert eager.model_runner.cuda_graph_runner is None

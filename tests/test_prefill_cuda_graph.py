@@ -15,7 +15,7 @@ import torch
 from labkit import Engine
 from labkit.attention import TorchNativeAttnBackend
 from labkit.model_executor.prefill_graph_runner import PrefillGraphRunner, capture_token_counts
-from tests.test_cuda_graph import _assert_pool_clean, _check_same, checkpoint  # noqa: F401 (fixture)
+from tests.test_cuda_graph import _assert_pool_clean, _check_same, checkpoint, engine_kwargs  # noqa: F401
 
 CUDA = torch.cuda.is_available()
 NO_CUDA = pytest.mark.skipif(not CUDA, reason="no CUDA")
@@ -63,17 +63,8 @@ def test_padded_static_prefill_path_matches_eager_extends(checkpoint, page_size)
     """The graph path minus the capture, on fresh prompts, cached prefixes, prompts cut into chunks
     (chunks of 32 tokens; with a 40-token runner for up to 3 requests, larger forwards run
     eagerly) and mixed batches (the chunks ride with running decodes)."""
-    device = "cuda" if CUDA else "cpu"
-    kwargs = dict(
-        model_path=str(checkpoint),
-        device=device,
-        dtype="float32",
-        page_size=page_size,
-        max_total_tokens=1024,
-        attention_backend="triton",
-        disable_cuda_graph=True,
-        chunked_prefill_size=32,
-        enable_mixed_chunk=True,
+    kwargs = engine_kwargs(
+        checkpoint, page_size, disable_cuda_graph=True, chunked_prefill_size=32, enable_mixed_chunk=True
     )
     prompts, params = _workload(5, shared=20)
 
@@ -107,15 +98,8 @@ def test_padded_static_prefill_path_matches_eager_extends(checkpoint, page_size)
 @pytest.mark.parametrize("dtype, tol", [("float32", 2e-4), ("bfloat16", 0.15)])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_prefill_graph_outputs_equal_eager_extends(checkpoint, dtype, tol, page_size):  # noqa: F811
-    kwargs = dict(
-        model_path=str(checkpoint),
-        device="cuda",
-        dtype=dtype,
-        page_size=page_size,
-        max_total_tokens=4096,
-        attention_backend="triton",
-        chunked_prefill_size=32,
-        enable_mixed_chunk=True,
+    kwargs = engine_kwargs(
+        checkpoint, page_size, dtype=dtype, max_total_tokens=4096, chunked_prefill_size=32, enable_mixed_chunk=True
     )
     prompts, params = _workload(9, shared=20)
     eager = Engine(**kwargs, cuda_graph_max_prefill_tokens=0)

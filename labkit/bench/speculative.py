@@ -15,9 +15,10 @@ least --min-requests requests and --min-groups groups (a multiple of b), submitt
 through `Engine.generate(list)`, groups one after another. Greedy, EOS allowed: output tokens/s
 counts the tokens each request actually produced, and every speculative output is checked against
 the plain one of the same round (greedy: they should be equal; `mismatch` counts the requests that
-differed in any round). Every engine is warmed up once; each round runs every engine in turn (the order reversed
-every other round), so a shared machine's slow spells hit them alike, and the speed-up is the median
-over the rounds of each round's ratio to the plain engine; the cache is flushed before each run.
+differed in any round). Every engine is warmed up once; each round runs every engine in turn (the
+order reversed every other round), so a shared machine's slow spells hit them alike, and the
+speed-up is the median over the rounds of each round's ratio to the plain engine; the cache is
+flushed before each run.
 Acceptance length = (accepted drafts + verify steps) / verify steps, the tokens one verify forward
 yields; acceptance rate = accepted / drafted; from drafts = accepted / output tokens, how much of
 the output verify steps took from the drafts (what makes a workload copy-heavy). The `draft` drafter

@@ -113,9 +113,7 @@ class ColumnParallelLinear(LinearBase):
         the row, one kernel (the norm in its prologue) instead of two."""
         if self.gemv_takes(x, self.weight.shape[1]):
             return triton_kernels().gemv_rmsnorm(x, residual, norm.weight, norm.eps, self.weight, self.bias)
-        if residual is None:
-            return self(norm(x)), x
-        normed, residual = norm(x, residual)
+        normed, residual = norm.add_and_norm(x, residual)
         return self(normed), residual
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,3 +37,11 @@ class RMSNorm(nn.Module):
         else:  # as Hugging Face: normalize in float32, cast back, then scale
             out = self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
         return out if residual is None else (out, residual)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), or (norm(x), x) when there is no residual yet (a
+        model's first layer): the normalized input of a block and the residual stream after it."""
+        if residual is None:
+            return cast(torch.Tensor, self(x)), x
+        normed, residual = self(x, residual)
+        return normed, residual

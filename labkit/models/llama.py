@@ -62,7 +62,7 @@ class MLPBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(norm(hidden + residual)), hidden + residual): the block with the norm before it,
         which a block may fuse into its first projection."""
-        normed, residual = norm(hidden, residual)
+        normed, residual = norm.add_and_norm(hidden, residual)
         return self(normed, forward_batch), residual
 
 

@@ -44,8 +44,9 @@ class SampledRows:
     need_min_p: bool
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> SampledRows:
-        greedy = [p.is_greedy for p in params]
+    def build(
+        cls, params: Sequence[SamplingParams], greedy: list[bool], vocab_size: int, device: torch.device
+    ) -> SampledRows:
         top_ks = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
         sampled = [(p, k) for p, k, g in zip(params, top_ks, greedy) if not g]
 
@@ -108,7 +109,7 @@ class SamplingBatchInfo:
         greedy = [p.is_greedy for p in params]
         return cls(
             vocab_size=vocab_size,
-            sampled=None if all(greedy) else SampledRows.build(params, vocab_size, device),
+            sampled=None if all(greedy) else SampledRows.build(params, greedy, vocab_size, device),
             penalties=Penalties.build(reqs, vocab_size, device),
             banned=min_tokens_ban(reqs, eos_token_ids, device),
             seeds=[

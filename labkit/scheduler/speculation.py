@@ -113,20 +113,25 @@ class SchedulerSpecMixin:
         if not any(budgets):
             return False
         expected = sum(r.spec.recent_rate * b for r, b in zip(reqs, budgets))
-        if self.config.speculative_min_batch_gain is None and len(reqs) > 1:
-            realized = self.realized_gains.recent(self.step_id)
-            if realized is not None:  # alone, a request's rate is what its verify steps realized
-                expected = min(expected, realized * len(reqs))
+        realized = self.realized_gain(len(reqs))
+        if realized is not None:
+            expected = min(expected, realized * len(reqs))
         return expected >= self.break_even(len(reqs)) * len(reqs)
+
+    def realized_gain(self, batch_size: int) -> float | None:
+        """What the recent verify steps of batches of several realized per request (RealizedGains);
+        None alone (a request's own rate is what its verify steps realized), under a fixed
+        speculative_min_batch_gain, or when no gain is recent."""
+        if self.config.speculative_min_batch_gain is not None or batch_size < 2:
+            return None
+        return self.realized_gains.recent(self.step_id)
 
     def drafting_budgets(self, reqs: list[Req]) -> list[int] | None:
         """draft_budgets(reqs) when worth_drafting says drafting pays for them, else None. The
         common refusal is decided first, without a pass over the requests: a batch whose recent
         verify steps realized less than the break-even (worth_drafting would cap its expected gain
         there). It runs before every decode step, on the host's share of the step."""
-        realized = None
-        if self.config.speculative_min_batch_gain is None and len(reqs) > 1:
-            realized = self.realized_gains.recent(self.step_id)
+        realized = self.realized_gain(len(reqs))
         if realized is not None and realized < self.break_even(len(reqs)):
             return None
         budgets = self.draft_budgets(reqs)
