@@ -123,12 +123,14 @@ def alloc_for_verify(
     return True
 
 
-def rejected_slots(req: Req, end: int, req_to_token_pool: ReqToTokenPool, page_size: int) -> torch.Tensor:
-    """KV rollback after verification: the slots of positions req.kv_len..end-1 that a verify step
-    allocated and did not keep, in the pages that start at or after kv_len (a page the request still
-    uses stays its own: its next tokens fill it). The caller frees them (allocator.free frees whole
-    pages)."""
-    start = -(-req.kv_len // page_size) * page_size
+def rejected_slots(
+    req: Req, end: int, req_to_token_pool: ReqToTokenPool, page_size: int, kept: int = 0
+) -> torch.Tensor:
+    """KV rollback after verification: the slots of positions req.kv_len + kept .. end-1 that a
+    verify step allocated and did not keep, in the pages that start at or after kv_len + kept (a page
+    the request still uses stays its own: its next tokens fill it). The caller frees them
+    (allocator.free frees whole pages)."""
+    start = -(-(req.kv_len + kept) // page_size) * page_size
     return req_to_token_pool.host[held_row(req), start:end] if start < end else EMPTY_INDICES
 
 

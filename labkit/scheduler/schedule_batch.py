@@ -239,3 +239,15 @@ class ScheduleBatch(Summarized):
 
     def is_empty(self) -> bool:
         return not self.reqs
+
+
+def needs_host_history(reqs: list[Req]) -> bool:
+    """Penalties are built from the output tokens on the host, and a grammar's mask from its matcher,
+    which the host advances with each token: neither can run behind a step."""
+    return any(
+        r.grammar is not None
+        or r.sampling_params.frequency_penalty
+        or r.sampling_params.presence_penalty
+        or r.sampling_params.repetition_penalty != 1
+        for r in reqs
+    )

@@ -27,7 +27,7 @@ from labkit.sampling.sampler import SampleOutput
 from labkit.scheduler.batch_memory import alloc_for_decode, alloc_for_extend, decode_slots_needed
 from labkit.scheduler.limits import RequestLimits
 from labkit.scheduler.output_processor import SchedulerOutputProcessorMixin
-from labkit.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, Tokenizer
+from labkit.scheduler.schedule_batch import FinishReason, Req, ScheduleBatch, Tokenizer, needs_host_history
 from labkit.scheduler.schedule_policy import PrefillAdder, SchedulePolicy, make_policy
 from labkit.scheduler.scheduler_metrics import SchedulerMetricsMixin
 from labkit.scheduler.speculation import SchedulerSpecMixin
@@ -46,18 +46,6 @@ def default_chunked_prefill_size(device: torch.device) -> int:
     prefill step's forward call costs about as much host time as GPU time, so larger chunks amortize
     it; 8192 was the fastest measured (docs/benchmarks.md)."""
     return 8192 if device.type == "cuda" else 2048
-
-
-def batch_needs_host_history(batch: ScheduleBatch) -> bool:
-    """Penalties are built from the output tokens on the host, and a grammar's mask from its matcher,
-    which the host advances with each token: neither can run behind a step."""
-    return any(
-        r.grammar is not None
-        or r.sampling_params.frequency_penalty
-        or r.sampling_params.presence_penalty
-        or r.sampling_params.repetition_penalty != 1
-        for r in batch.reqs
-    )
 
 
 @dataclass
@@ -268,7 +256,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         elif batch.forward_mode == ForwardMode.TARGET_VERIFY:
             self.run_verify_batch(batch, out)
         else:
-            if self.in_flight is not None and batch_needs_host_history(batch):
+            if self.in_flight is not None and needs_host_history(batch.reqs):
                 self._take_in_flight(out, batch)  # its penalties need the tokens still on the device
             launched = self.run_batch(batch, out)
             self._take_in_flight(out, batch)
@@ -391,7 +379,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
     def update_running_batch(self, out: StepOutput) -> ScheduleBatch | None:
         """Decode every running request; retract some first if their next tokens do not fit."""
         drafting = self.drafter is not None and self.drafting_budgets(self.running) is not None
-        if drafting and self.in_flight is not None:
+        if drafting and self.in_flight is not None and not self.drafts_ahead(self.running):
             self._take_in_flight(out, None)  # drafts follow the tokens still on their way
             self.spec_attempt = True  # the overlap is lost, whether or not a verify step follows
         if decode_slots_needed(self.running, self.page_size) > self._reclaimable():

@@ -1,7 +1,13 @@
 """SchedulerSpecMixin: speculative decoding in the scheduler (labkit/speculative/verify.py explains
 the rule). A decode step becomes a TARGET_VERIFY step when some request drafts and the drafts' KV
-fits in free pages; it runs synchronously (overlap scheduling is off with speculation: the drafts of
-step N+1 need step N's tokens on the host), and each request keeps its accepted run at once."""
+fits in free pages; the host waits for its tokens (the drafts of the step after need them), and
+each request keeps its accepted run at once.
+
+With overlap scheduling the step before a verify step may still be on the device. A drafter that
+drafts ahead (Drafter.drafts_ahead) drafts behind that step's token: the verify step's first input is
+that token, resolved on the device as a decode step's is (labkit.model_executor.future_map), and the
+host takes it after launching the verify step. Otherwise, or when the batch's sampling needs its
+output on the host (penalties), the host takes it before drafting, and that step loses its overlap."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import torch
 
 from labkit.model_executor.forward_batch import ForwardMode
 from labkit.scheduler.batch_memory import alloc_for_verify, rejected_slots
+from labkit.scheduler.schedule_batch import needs_host_history
 from labkit.speculative.base import Drafter, LeaderDrafts, get_drafter
 from labkit.speculative.step_costs import RealizedGains, StepCosts
 from labkit.speculative.verify import accept, verify_rows
@@ -29,6 +36,7 @@ if TYPE_CHECKING:
 
 
 DEFAULT_BREAK_EVEN = 1.0  # accepted drafts per request, before this batch size's steps were timed
+EARLY_RESUME_MAX_BATCH = 4  # larger batches leave a paused request paused until its pause ends
 
 
 class SchedulerSpecMixin:
@@ -41,6 +49,7 @@ class SchedulerSpecMixin:
     page_size: int
     step_id: int
     max_req_len: int
+    in_flight: tuple[ScheduleBatch, HostSample] | None
     drafter: Drafter | None
     step_costs: StepCosts
     realized_gains: RealizedGains
@@ -52,6 +61,7 @@ class SchedulerSpecMixin:
 
         def run_batch(self, batch: ScheduleBatch, out: StepOutput) -> HostSample: ...
         def take_token(self, req: Req, row: int, result: SampleOutput, logprobs: list[float] | None) -> None: ...
+        def _take_in_flight(self, out: StepOutput, next_batch: ScheduleBatch | None) -> None: ...
         def _finish(self, req: Req, in_next_batch: bool) -> None: ...
 
     def _make_drafter(self) -> Drafter | None:
@@ -67,7 +77,16 @@ class SchedulerSpecMixin:
         if gain is not None and gain < 0:
             raise ValueError(f"speculative_min_batch_gain must be >= 0 (or unset: measured), got {gain}")
         drafter = get_drafter(name)  # an unknown name fails on every rank
-        return (drafter if self.tp.is_leader else LeaderDrafts)(self.config, self.model_runner)
+        if self.tp.is_leader:
+            return drafter(self.config, self.model_runner)
+        follower = LeaderDrafts(self.config, self.model_runner)
+        follower.drafts_ahead = drafter.drafts_ahead  # every rank takes the same steps
+        return follower
+
+    def drafts_ahead(self, reqs: list[Req]) -> bool:
+        """Whether these requests draft behind the token still on its way (the module docstring)."""
+        assert self.drafter is not None
+        return self.drafter.drafts_ahead and not needs_host_history(reqs)
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
         """The drafter's drafts (cut to the budgets). With tensor parallelism the leader drafts and
@@ -92,7 +111,7 @@ class SchedulerSpecMixin:
         budgets = []
         for r in reqs:
             room = min(r.sampling_params.max_new_tokens - len(r.output_ids), self.max_req_len - r.seqlen)
-            drafting = r.grammar is None and r.spec.drafting(self.step_id)
+            drafting = r.grammar is None and (r.spec.drafting(self.step_id) or self._copying_again(r, len(reqs)))
             budgets.append(max(0, min(k, room - 1)) if drafting else 0)
         graphs = self.model_runner.cuda_graph_runner
         if graphs is not None and len(reqs) + sum(budgets) > graphs.max_bs >= len(reqs):
@@ -102,11 +121,24 @@ class SchedulerSpecMixin:
                 spare -= budgets[i]
         return budgets
 
+    def _copying_again(self, req: Req, batch_size: int) -> bool:
+        """Whether a paused request drafts again before its pause ends, because the drafter sees it
+        copying again (Drafter.copying_again), and if so end the pause. Asked only where a verify
+        step could pay for that request alone (a batch of at most EARLY_RESUME_MAX_BATCH), and
+        not with tensor parallelism, whose followers keep no drafter state to agree on it."""
+        if batch_size > EARLY_RESUME_MAX_BATCH or self.tp.size > 1:
+            return False
+        assert self.drafter is not None
+        if not self.drafter.copying_again(req):
+            return False
+        req.spec.resume(self.step_id)
+        return True
+
     def worth_drafting(self, reqs: list[Req], budgets: list[int]) -> bool:
         """Whether drafting pays for this batch: the tokens its requests are expected to gain reach
         the break-even gain per request of the batch. Expected: each request's recent acceptance rate
         times its drafts, and, in a batch of several, no more than what the recent verify steps of
-        such batches realized (labkit.speculative.step_costs.RealizedGains).
+        batches of about its size realized (labkit.speculative.step_costs.RealizedGains).
         Break-even: speculative_min_batch_gain when set, else what this machine's step times say
         (labkit.speculative.step_costs; 1.0 until both kinds of step were timed at this batch size).
         One drafting request makes the whole batch a verify step, which cannot overlap."""
@@ -119,12 +151,12 @@ class SchedulerSpecMixin:
         return expected >= self.break_even(len(reqs)) * len(reqs)
 
     def realized_gain(self, batch_size: int) -> float | None:
-        """What the recent verify steps of batches of several realized per request (RealizedGains);
+        """What the recent verify steps of batches of about this size realized per request (RealizedGains);
         None alone (a request's own rate is what its verify steps realized), under a fixed
         speculative_min_batch_gain, or when no gain is recent."""
         if self.config.speculative_min_batch_gain is not None or batch_size < 2:
             return None
-        return self.realized_gains.recent(self.step_id)
+        return self.realized_gains.recent(self.step_id, batch_size)
 
     def drafting_budgets(self, reqs: list[Req]) -> list[int] | None:
         """draft_budgets(reqs) when worth_drafting says drafting pays for them, else None. The
@@ -184,24 +216,35 @@ class SchedulerSpecMixin:
         """Forward, pick the target's token at every row, keep each request's accepted run (cut where
         a stop condition falls inside it), and give back the KV of what was not kept."""
         assert self.drafter is not None
-        result = self.run_batch(batch, out).wait()
+        launched = self.run_batch(batch, out)
+        # A request whose token in flight finishes it keeps none of this step's rows: where its
+        # drafts' slots start (the row of that token stays: its KV is computed here and cached).
+        ends = [r.kv_len + 1 + len(d) for r, d in zip(batch.reqs, batch.drafts)]
+        if self.in_flight is not None:  # the step before is still on its way (drafted ahead)
+            pool, page = self.req_to_token_pool, self.page_size
+            past_token = [rejected_slots(r, end, pool, page, kept=1) for r, end in zip(batch.reqs, ends)]
+            self._take_in_flight(out, batch)
+        result = launched.wait()
         target_ids = result.next_token_ids.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         row = 0
         rejected, finished = [], []
-        for req, draft, gained in zip(batch.reqs, batch.drafts, accept(batch.drafts, target_ids)):
+        for i, (req, draft, gained) in enumerate(zip(batch.reqs, batch.drafts, accept(batch.drafts, target_ids))):
+            first, row = row, row + 1 + len(draft)
+            if req.finished():  # by the token taken in flight
+                rejected.append(past_token[i])
+                out.rollback_slots += -(-len(rejected[-1]) // self.page_size) * self.page_size
+                continue
             kept = []
             for j, token in enumerate(gained):
                 req.output_ids.append(token)
                 kept.append(token)
-                self.take_token(req, row + j, result, logprobs)
+                self.take_token(req, first + j, result, logprobs)
                 if req.finished():
                     break
-            end = req.kv_len + 1 + len(draft)  # the slots this step gave the request
             req.kv_len = req.seqlen - 1
-            rejected.append(rejected_slots(req, end, self.req_to_token_pool, self.page_size))
+            rejected.append(rejected_slots(req, ends[i], self.req_to_token_pool, self.page_size))
             out.rollback_slots += -(-len(rejected[-1]) // self.page_size) * self.page_size
-            row += 1 + len(draft)
             # After the token taken from the step in flight, if it was this request's (overlap).
             out.new_token_ids.setdefault(req.rid, []).extend(kept)
             if draft:

@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 
 
 class DraftReq(Protocol):
-    """What a drafter may read of a scheduler request (labkit's Req satisfies it)."""
+    """What a drafter may read of a scheduler request (labkit's Req satisfies it). For a drafter that
+    drafts ahead, output_ids may end with a future token (negative: sampled on the device, not yet
+    known to the host; labkit.model_executor.future_map)."""
 
     rid: str
     origin_input_ids: list[int]
@@ -35,7 +37,13 @@ class Drafter(ABC):
     request (ids, KV and slots belong to the scheduler); state it keeps for a request (an index, its
     own KV) is given up in `release`, after which the request may come back as new (a retracted one
     does). Drafts are one-hot: a token, no distribution (rejection sampling against a one-hot draft
-    is what verify does for sampled rows)."""
+    is what verify does for sampled rows).
+
+    `drafts_ahead`: the drafter can draft behind a token still on the device (output_ids ending
+    with a future token), guessing it; the drafts then follow the guess, and a wrong guess only costs
+    them. With overlap scheduling such a verify step does not wait for the step before it."""
+
+    drafts_ahead = False
 
     def __init__(self, config: EngineConfig, target: ModelRunner) -> None:
         self.config = config
@@ -48,6 +56,13 @@ class Drafter(ABC):
     @abstractmethod
     def release(self, req: DraftReq) -> None:
         """The request finished, was aborted or was retracted: drop what is kept for it."""
+
+    def copying_again(self, req: DraftReq) -> bool:
+        """Asked once per decode step for a request whose drafting is paused (its recent drafts
+        failed): True when its latest tokens say that drafts would be kept again now, so that it
+        drafts before the pause runs out. It may keep state for the request (released in
+        `release`). The default never says so."""
+        return False
 
     def idle(self) -> bool:
         """True when no request holds anything of the drafter's (its memory is all free)."""

@@ -73,23 +73,31 @@ MAX_GAIN_MEMORY_STEPS = 1024  # and at most this many after fruitless verify ste
 @dataclass
 class RealizedGains:
     """What the recent verify steps of batches of several requests actually yielded, in accepted
-    drafts per request of the batch. The requests' acceptance rates are each request's own; a batch
-    also pays for the rows of requests that draft nothing, and the drafts that do land are often
-    those of requests about to finish anyway. A gain expires after `memory` steps, so a batch that
-    stopped drafting tries again later: GAIN_MEMORY_STEPS, doubled by each verify step that fell
-    short of the break-even (each such probe costs a verify step's price for nothing), reset by
-    one that reached it. Computed from tokens only: every tensor-parallel rank agrees."""
+    drafts per request of the batch, by batch-size bucket (as StepCosts: a batch of 2 that loops on
+    its answers says nothing of a batch of 16). The requests' acceptance rates are each request's
+    own; a batch also pays for the rows of requests that draft nothing, and the drafts that do land
+    are often those of requests about to finish anyway. A gain expires after its bucket's `memory`
+    steps, so a batch that stopped drafting tries again later: GAIN_MEMORY_STEPS, doubled by each
+    verify step that fell short of the break-even (each such probe costs a verify step's price for
+    nothing), reset by one that reached it. Computed from tokens only: every tensor-parallel rank
+    agrees."""
 
-    gains: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=SAMPLES))  # (step, gain)
-    memory: int = GAIN_MEMORY_STEPS
+    gains: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # bucket -> (step, gain)
+    memory: dict[int, int] = field(default_factory=dict)  # bucket -> steps a gain counts for
 
     def record(self, step: int, batch_size: int, accepted: int, break_even: float) -> None:
         if batch_size > 1:  # alone, a request's own rate is what its verify steps realized
-            gain = accepted / batch_size
-            self.gains.append((step, gain))
-            self.memory = GAIN_MEMORY_STEPS if gain >= break_even else min(2 * self.memory, MAX_GAIN_MEMORY_STEPS)
+            b, gain = bucket(batch_size), accepted / batch_size
+            self.gains.setdefault(b, deque(maxlen=SAMPLES)).append((step, gain))
+            longer = min(2 * self.memory_of(batch_size), MAX_GAIN_MEMORY_STEPS)
+            self.memory[b] = GAIN_MEMORY_STEPS if gain >= break_even else longer
 
-    def recent(self, step: int) -> float | None:
-        """The mean gain per request of the unexpired verify steps; None when there is none."""
-        live = [g for s, g in self.gains if step - s < self.memory]
+    def memory_of(self, batch_size: int) -> int:
+        return self.memory.get(bucket(batch_size), GAIN_MEMORY_STEPS)
+
+    def recent(self, step: int, batch_size: int) -> float | None:
+        """The mean gain per request of the unexpired verify steps of this batch size's bucket; None
+        when there is none."""
+        memory = self.memory_of(batch_size)
+        live = [g for s, g in self.gains.get(bucket(batch_size), ()) if step - s < memory]
         return sum(live) / len(live) if live else None

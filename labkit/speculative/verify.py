@@ -89,6 +89,10 @@ class SpecState:
     def drafting(self, step: int) -> bool:
         return step >= self.paused_until
 
+    def resume(self, step: int) -> None:
+        """End the pause now (the drafter saw the request copying again)."""
+        self.paused_until = step
+
     def count(self, drafted: int, accepted: int) -> None:
         """One verify step's drafts and accepted drafts, into the totals."""
         self.verify_ct += 1

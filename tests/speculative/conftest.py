@@ -6,6 +6,7 @@ import random
 import zlib
 from collections.abc import Sequence
 
+from labkit.model_executor.future_map import FutureMap
 from labkit.speculative.base import DRAFTERS, Drafter, DraftReq, register_drafter
 
 NOISY = "test-noisy"
@@ -22,16 +23,21 @@ COPY = (
 class NoisyDrafter(Drafter):
     """Drafts the request's last token again (what a random-weight tiny model's greedy output does)
     with probability RIGHT, else a random token; seeded by the request's tokens (not its rid, a random
-    uuid), so a run is reproducible. With RIGHT = 0 it is wrong (nearly) always."""
+    uuid), so a run is reproducible. With RIGHT = 0 it is wrong (nearly) always. It drafts ahead: behind
+    a token still on the device it drafts one token more and drops the first, its guess for that one."""
 
     RIGHT = 0.7
+    drafts_ahead = True
 
     def propose(self, reqs: Sequence[DraftReq], budgets: Sequence[int]) -> list[list[int]]:
         drafts = []
         for req, k in zip(reqs, budgets):
             ids = req.origin_input_ids + req.output_ids
+            guess = int(FutureMap.is_future(ids[-1]))
+            ids = ids[: len(ids) - guess]
             rng = random.Random(zlib.crc32(repr(ids).encode()))
-            drafts.append([ids[-1] if rng.random() < self.RIGHT else rng.randrange(self.vocab_size) for _ in range(k)])
+            draft = [ids[-1] if rng.random() < self.RIGHT else rng.randrange(self.vocab_size) for _ in range(k + guess)]
+            drafts.append(draft[guess:])
         return drafts
 
     def release(self, req: DraftReq) -> None:

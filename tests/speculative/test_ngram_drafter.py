@@ -1,4 +1,4 @@
-"""The n-gram drafter's lookup: latest earlier occurrence (or the first at the anchor of a copy in
+"""The n-gram drafter's lookup: latest earlier occurrence (or near the anchor of a copy in
 progress), longest n first, never the suffix itself, loops drafted to their full length, and other
 requests' outputs when sharing is on."""
 
@@ -71,7 +71,7 @@ def test_an_anchor_picks_the_first_occurrence_at_or_after_it():
     assert index.lookup([1], 2, anchor=5) == ([8, 9], 4)  # none after it: the latest
 
 
-def test_a_copy_finds_its_place_again_after_an_inserted_token():
+def test_a_copy_goes_on_from_its_place_after_an_inserted_token():
     # The prompt: a text to copy, then a later "4" followed by something else.
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 99, 4, 50, 51, 52]
     target = SimpleNamespace(vocab_size=100)
@@ -79,7 +79,7 @@ def test_a_copy_finds_its_place_again_after_an_inserted_token():
     req = fake_req("r", prompt, [1])
     assert drafter.propose([req], [4]) == [[2, 3, 4, 5]]
     req.output_ids += [2, 3, 77]  # the copy kept 2 and 3, then inserted 77 where 4 was drafted
-    assert drafter.propose([req], [4]) == [[]]  # nothing ever followed 77
+    assert drafter.propose([req], [4]) == [[4, 5, 6, 7]]  # nothing ever followed 77: 77 was an insertion
     req.output_ids += [4]
     # The copy goes on from its place in the text, not from the latest "4".
     assert drafter.propose([req], [4]) == [[5, 6, 7, 8]]
@@ -87,3 +87,19 @@ def test_a_copy_finds_its_place_again_after_an_inserted_token():
     assert fresh.propose([fake_req("s", prompt, [1, 2, 3, 77, 4])], [4]) == [[50, 51, 52, 1]]
     drafter.release(req)
     assert drafter.idle() and not drafter.copying
+
+
+def test_a_copy_resumes_near_its_anchor_rather_than_at_a_longer_match_far_ahead():
+    # The text: 10 11 12 13 14 15 16 ... and further on "9 13 40 41 42": after the copy replaced
+    # 12 with 9, the 2-gram "9 13" occurs far ahead, the 1-gram "13" right after the anchor.
+    prompt = [10, 11, 12, 13, 14, 15, 16, 60, 61, 62, 63, 64, 65, 9, 13, 40, 41, 42]
+    target = SimpleNamespace(vocab_size=100)
+    drafter = NgramDrafter(EngineConfig(speculative_ngram_max_n=2), target)
+    req = fake_req("r", prompt, [10])
+    assert drafter.propose([req], [3]) == [[11, 12, 13]]
+    req.output_ids += [11, 9]  # kept 11, then 9 where 12 was drafted
+    assert drafter.propose([req], [3]) == [[12, 13, 14]]  # an insertion, as far as it knows
+    req.output_ids += [13]  # no: 9 replaced 12
+    assert drafter.propose([req], [3]) == [[14, 15, 16]]
+    far = NgramDrafter(EngineConfig(speculative_ngram_max_n=2), target)
+    assert far.propose([fake_req("s", prompt, [10, 11, 9, 13])], [3]) == [[40, 41, 42]]  # no copy: longest n

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import Engine
+from labkit.speculative.base import get_drafter
 from tests.speculative.conftest import COPY, FIXED_GAIN, NOISY
 
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
@@ -44,7 +45,8 @@ def assert_idle(engine: Engine) -> None:
     ],
 )
 def test_tiny_models_give_the_same_greedy_tokens_with_speculation(model, page_size, radix, pool, overlap):
-    """With overlap scheduling, steps that draft wait for the step before; the others overlap."""
+    """With overlap scheduling the drafter (which drafts ahead) drafts behind the token still on its
+    way, and the verify step takes that token after its launch."""
     prompts = [[3 + i, 40 + i, 90, 7 * i % 256] * (4 + i) for i in range(5)]
     kw = dict(model_path=model, load_format="dummy", page_size=page_size, disable_radix_cache=not radix)
     kw |= dict(max_total_tokens=pool, chunked_prefill_size=64, schedule_conservativeness=0.05)
@@ -93,7 +95,7 @@ def test_the_embedded_model_gives_the_same_greedy_tokens_with_speculation(
 @pytest.mark.parametrize("overlap", [False, True])
 def test_every_kept_token_is_reported_once_in_the_step_that_kept_it(overlap):
     """The tokens the steps report (what the detokenizer and a stream see) add up to each request's
-    output: with overlap, a drafting step first takes the token still in flight, then its own."""
+    output: with overlap, a verify step first takes the token still in flight, then its own."""
     engine = Engine(
         model_path="tiny-qwen3",
         load_format="dummy",
@@ -111,3 +113,56 @@ def test_every_kept_token_is_reported_once_in_the_step_that_kept_it(overlap):
             reported[rid] += tokens
     assert all(reported[rid] == engine.results[rid]["output_ids"] for rid in rids)
     assert sum(engine.results[rid]["meta_info"]["spec_accepted_tokens"] for rid in rids) > 0
+
+
+@pytest.mark.parametrize("drafts_ahead", [True, False])
+def test_with_overlap_a_verify_step_waits_for_the_step_before_only_if_its_drafter_cannot_draft_ahead(
+    monkeypatch, drafts_ahead
+):
+    """A drafter that drafts ahead is launched behind the decode step still on the device (its first
+    input is that step's token); one that does not makes the step before give up its overlap. The
+    tokens are the same either way."""
+    monkeypatch.setattr(get_drafter(NOISY), "drafts_ahead", drafts_ahead)
+    kw = dict(model_path="tiny-qwen3", load_format="dummy", max_total_tokens=4096, overlap_schedule_on_cpu=True)
+    prompts = [[3 + i, 40 + i, 90, 7 * i % 256] * (4 + i) for i in range(3)]
+    _, plain = run(prompts, GREEDY, **kw)
+    engine = Engine(dtype="float32", **kw, speculative_algorithm=NOISY, speculative_num_draft_tokens=3, **FIXED_GAIN)
+    behind = []
+    verify = engine.scheduler.run_verify_batch
+    monkeypatch.setattr(
+        engine.scheduler,
+        "run_verify_batch",
+        lambda b, o: (behind.append(engine.scheduler.in_flight is not None), verify(b, o)),
+    )
+    spec = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    assert behind and any(behind) == drafts_ahead
+    assert_idle(engine)
+
+
+def test_a_request_stopped_by_the_token_in_flight_keeps_none_of_the_verify_step_behind_it():
+    """With overlap, a verify step drafted ahead runs behind a token that may end the request (a
+    stop id): the request then keeps nothing of the verify step, and its draft slots go back."""
+    kw = dict(model_path="tiny-qwen3", load_format="dummy", max_total_tokens=4096, overlap_schedule_on_cpu=True)
+    prompts = [[3 + i, 40 + i, 90, 7 * i % 256] * (4 + i) for i in range(4)]
+    _, plain = run(prompts, GREEDY, **kw)
+    # Each request stops at its own output position; the same greedy tokens lead there.
+    params = [{**GREEDY, "stop_token_ids": [o["output_ids"][5 + 3 * i]]} for i, o in enumerate(plain)]
+    _, plain_stopped = run(prompts, params, **kw)
+    engine = Engine(dtype="float32", **kw, speculative_algorithm=NOISY, speculative_num_draft_tokens=3, **FIXED_GAIN)
+    stopped_behind = []
+    verify = engine.scheduler.run_verify_batch
+
+    def run_verify(batch, out):
+        in_flight = engine.scheduler.in_flight
+        verify(batch, out)
+        if in_flight is not None:  # a request in both keeps a token of each, unless the first stopped it
+            both = [r for r in batch.reqs if r in in_flight[0].reqs]
+            stopped_behind.extend(r for r in both if r in out.finished and len(out.new_token_ids[r.rid]) == 1)
+
+    engine.scheduler.run_verify_batch = run_verify
+    spec = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain_stopped]
+    assert all(o["meta_info"]["finish_reason"]["type"] == "stop" for o in spec)
+    assert stopped_behind  # some request was stopped by its token in flight
+    assert_idle(engine)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from labkit.model_executor.forward_batch import ForwardMode
 from labkit.speculative.step_costs import (
     GAIN_MEMORY_STEPS,
@@ -65,15 +67,17 @@ def test_without_a_fixed_gain_the_scheduler_drafts_by_its_measured_break_even():
     assert sched.worth_drafting(reqs(0.5, 0.5), [4, 4])  # batch 2: its own bucket, untimed
 
 
-def test_realized_gains_are_per_request_of_batches_of_several_and_expire():
+def test_realized_gains_are_per_request_of_batches_of_several_by_size_and_expire():
     gains = RealizedGains()
-    assert gains.recent(0) is None
+    assert gains.recent(0, 16) is None
     gains.record(10, 16, accepted=8, break_even=0.5)  # half a token per request
-    gains.record(12, 4, accepted=6, break_even=0.5)
+    gains.record(11, 20, accepted=30, break_even=0.5)  # 16-31: the same bucket
+    gains.record(12, 4, accepted=6, break_even=0.5)  # 4-7: another
     gains.record(12, 1, accepted=4, break_even=0.5)  # alone: not a batch's gain
-    assert abs(gains.recent(12) - (0.5 + 1.5) / 2) < 1e-9
-    assert abs(gains.recent(10 + GAIN_MEMORY_STEPS) - 1.5) < 1e-9  # the step-10 gain expired
-    assert gains.recent(12 + GAIN_MEMORY_STEPS) is None
+    assert abs(gains.recent(12, 16) - (0.5 + 1.5) / 2) < 1e-9
+    assert abs(gains.recent(12, 5) - 1.5) < 1e-9 and gains.recent(12, 1) is None
+    assert abs(gains.recent(10 + GAIN_MEMORY_STEPS, 16) - 1.5) < 1e-9  # the step-10 gain expired
+    assert gains.recent(12 + GAIN_MEMORY_STEPS, 4) is None
 
 
 def test_fruitless_verify_steps_in_a_row_make_the_next_probe_wait_longer():
@@ -81,14 +85,16 @@ def test_fruitless_verify_steps_in_a_row_make_the_next_probe_wait_longer():
     step = 0
     for memory in (2, 4, 8, 16):  # each probe short of the break-even doubles the wait
         gains.record(step, 8, accepted=0, break_even=1.0)
-        assert gains.memory == memory * GAIN_MEMORY_STEPS
-        assert gains.recent(step + gains.memory - 1) == 0.0 and gains.recent(step + gains.memory) is None
-        step += gains.memory
+        assert gains.memory_of(8) == memory * GAIN_MEMORY_STEPS
+        assert gains.recent(step + gains.memory_of(8) - 1, 8) == 0.0
+        assert gains.recent(step + gains.memory_of(8), 8) is None
+        step += gains.memory_of(8)
+    assert gains.memory_of(2) == GAIN_MEMORY_STEPS  # other batch sizes probe as before
     for _ in range(10):
         gains.record(step, 8, accepted=0, break_even=1.0)
-    assert gains.memory == MAX_GAIN_MEMORY_STEPS
+    assert gains.memory_of(8) == MAX_GAIN_MEMORY_STEPS
     gains.record(step, 8, accepted=8, break_even=1.0)  # one that pays resets it
-    assert gains.memory == GAIN_MEMORY_STEPS
+    assert gains.memory_of(8) == GAIN_MEMORY_STEPS
 
 
 def test_a_batch_whose_verify_steps_realized_little_stops_drafting_until_that_expires():
@@ -104,22 +110,30 @@ def test_a_batch_whose_verify_steps_realized_little_stops_drafting_until_that_ex
     sched.realized_gains.record(sched.step_id, 8, accepted=4, break_even=1.0)  # but a verify step gave 0.5 each
     assert not sched.worth_drafting(reqs(8, 1.0), [4] * 8)
     assert sched.worth_drafting(reqs(1, 1.0), [4])  # alone, a request's own rate decides
-    assert not sched.worth_drafting(reqs(3, 1.0), [4] * 3)  # another batch size: the same workload
+    assert sched.worth_drafting(reqs(3, 1.0), [4] * 3)  # another batch size: its own history (none)
     sched.step_id += 2 * GAIN_MEMORY_STEPS - 1
     assert not sched.worth_drafting(reqs(8, 1.0), [4] * 8)  # it fell short: the wait doubled
     sched.step_id += 1
     assert sched.worth_drafting(reqs(8, 1.0), [4] * 8)  # expired: the batch tries again
 
 
-def test_a_step_that_gave_up_the_overlap_and_found_no_drafts_counts_as_a_fruitless_verify_step():
+@pytest.mark.parametrize("drafts_ahead", [False, True])
+def test_a_step_that_gave_up_the_overlap_and_found_no_drafts_counts_as_a_fruitless_verify_step(
+    monkeypatch, drafts_ahead
+):
     import tests.speculative.conftest  # noqa: F401  (registers test-empty)
     from labkit import Engine
+    from labkit.speculative.base import get_drafter
 
+    monkeypatch.setattr(get_drafter("test-empty"), "drafts_ahead", drafts_ahead)
     engine = Engine(
         model_path="tiny-llama", load_format="dummy", overlap_schedule_on_cpu=True, speculative_algorithm="test-empty"
     )
     params = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0}
     engine.generate(input_ids=[[5, 6, 7], [8, 9, 10]], sampling_params=params)
     sched = engine.scheduler
-    assert sched.realized_gains.recent(sched.step_id) == 0.0  # the attempts gained nothing
+    if drafts_ahead:  # it looked for drafts behind the token in flight: no overlap was given up
+        assert sched.realized_gains.recent(sched.step_id, 2) is None and not sched.step_costs.verify
+        return
+    assert sched.realized_gains.recent(sched.step_id, 2) == 0.0  # the attempts gained nothing
     assert sched.step_costs.verify and sched.step_costs.decode.keys() <= {1, 2}
