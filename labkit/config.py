@@ -215,7 +215,7 @@ class EngineConfig:
             "help": "a decode step drafts only if its drafting requests are expected (recent acceptance rate x "
             "drafts) to gain at least this many tokens per request of the batch (0: whenever a request drafts); "
             "none: the break-even measured from this engine's own decode and verify step times (a verify step "
-            "gives up the batch's overlap; labkit.speculative.step_costs)"
+            "waits for its tokens; labkit.speculative.step_costs)"
         },
     )
     # Parallelism

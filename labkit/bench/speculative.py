@@ -25,7 +25,8 @@ the output verify steps took from the drafts (what makes a workload copy-heavy).
 defaults to the embedded model drafting for itself (no smaller model shares SmolLM2's tokenizer
 offline): an upper bound on acceptance at about twice the compute per token. Overlap scheduling and
 CUDA graphs stay the engine's defaults: on CUDA the plain engine overlaps every step, the
-speculative one every step that does not draft (a drafting step waits for the tokens in flight).
+speculative one every step but those after a verify step (the n-gram drafter drafts behind the token
+in flight; the host waits for a verify step's tokens).
 After the table, each speculative engine's measured step times and break-even
 (labkit.speculative.step_costs).
 """

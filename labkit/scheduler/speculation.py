@@ -177,12 +177,10 @@ class SchedulerSpecMixin:
 
     def record_spec_step(self, batch: ScheduleBatch, seconds: float) -> None:
         """Time the step for the break-even (the leader's clock only). A step that waited for the
-        tokens in flight in order to draft and then found nothing to verify (no drafts, no free
-        pages) costs what a verify step costs in overlap and gains nothing: it counts as a verify
-        step that realized no gain."""
+        tokens in flight in order to draft and then found nothing to verify costs what a verify step
+        costs in overlap: it is timed as one."""
         mode = batch.forward_mode
         if self.spec_attempt and mode == ForwardMode.DECODE:
-            self.realized_gains.record(self.step_id, len(batch.reqs), 0, self.break_even(len(batch.reqs)))
             mode = ForwardMode.TARGET_VERIFY
         if self.tp.is_leader:
             self.step_costs.record(mode, len(batch.reqs), seconds)
@@ -201,11 +199,14 @@ class SchedulerSpecMixin:
             name = self.config.speculative_algorithm
             raise ValueError(f"drafter {name!r} proposed a token id outside the vocabulary [0, {vocab})")
         for req, budget, draft in zip(batch.reqs, budgets, drafts):
-            if budget and not draft:  # a step without drafts costs the overlap: count it as a miss
+            if budget and not draft:  # drafting for nothing costs the host (and the overlap, unless ahead)
                 req.spec.miss(self.step_id, self.config.speculative_min_accept_rate)
         if not any(drafts) or not alloc_for_verify(
             batch, drafts, self.req_to_token_pool, self.allocator, self.page_size
         ):
+            # A batch that drafted and found nothing to verify (no drafts, no free pages) gained
+            # nothing from it: a fruitless probe, as a verify step that kept nothing.
+            self.realized_gains.record(self.step_id, len(batch.reqs), 0, self.break_even(len(batch.reqs)))
             return False
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.drafts = drafts
