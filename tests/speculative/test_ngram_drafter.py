@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from labkit.config import EngineConfig
+from labkit.model_executor.future_map import FutureMap
 from labkit.speculative.ngram import NgramDrafter, NgramIndex
 
 
@@ -103,3 +104,21 @@ def test_a_copy_resumes_near_its_anchor_rather_than_at_a_longer_match_far_ahead(
     assert drafter.propose([req], [3]) == [[14, 15, 16]]
     far = NgramDrafter(EngineConfig(speculative_ngram_max_n=2), target)
     assert far.propose([fake_req("s", prompt, [10, 11, 9, 13])], [3]) == [[40, 41, 42]]  # no copy: longest n
+
+
+def test_a_paused_request_is_seen_copying_again_after_two_tokens_predicted_in_a_row():
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    drafter = NgramDrafter(EngineConfig(speculative_ngram_max_n=2), SimpleNamespace(vocab_size=100))
+    req = fake_req("r", prompt, [50])
+    assert not drafter.copying_again(req)  # nothing ever followed 50: no prediction
+    req.output_ids += [3]
+    assert not drafter.copying_again(req)  # the miss; 4 predicted next
+    req.output_ids += [4]
+    assert not drafter.copying_again(req)  # one right
+    req.output_ids += [5, FutureMap.future_token(0)]  # a second right one; the next still on its way
+    assert drafter.copying_again(req)
+    assert drafter.copying_again(req)  # no new token: the same answer
+    req.output_ids[-1:] = [9, 6]  # the token in flight was 9, not the predicted 6
+    assert not drafter.copying_again(req)
+    drafter.release(req)
+    assert not drafter.shadow

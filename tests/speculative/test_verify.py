@@ -119,6 +119,27 @@ def test_drafts_are_cut_so_that_a_verify_step_fits_the_largest_cuda_graph():
     assert sched.draft_budgets(reqs) == [4, 4, 4]  # drafts do not change that
 
 
+def test_a_paused_request_drafts_again_early_when_the_drafter_sees_it_copying_in_a_small_batch(monkeypatch):
+    from labkit import Engine
+    from labkit.scheduler.speculation import EARLY_RESUME_MAX_BATCH
+
+    engine = Engine(model_path="tiny-llama", load_format="dummy", device="cpu", speculative_algorithm="ngram")
+    sched = engine.scheduler
+
+    def reqs(n):
+        return [SimpleNamespace(rid=f"r{i}", origin_input_ids=[1, 2, 3], output_ids=[], seqlen=10, grammar=None,
+                                sampling_params=SamplingParams(max_new_tokens=100),
+                                spec=SpecState(paused_until=sched.step_id + 100)) for i in range(n)]  # fmt: skip
+
+    assert sched.draft_budgets(reqs(1)) == [0]  # paused, and the drafter sees no copy
+    monkeypatch.setattr(sched.drafter, "copying_again", lambda req: True)
+    small = reqs(EARLY_RESUME_MAX_BATCH)
+    assert sched.draft_budgets(small) == [4] * EARLY_RESUME_MAX_BATCH
+    assert all(r.spec.drafting(sched.step_id) for r in small)  # the pauses ended
+    large = reqs(EARLY_RESUME_MAX_BATCH + 1)  # one request's drafts rarely pay for a larger batch
+    assert sched.draft_budgets(large) == [0] * (EARLY_RESUME_MAX_BATCH + 1)
+
+
 @pytest.mark.parametrize(
     "setting, message",
     [
