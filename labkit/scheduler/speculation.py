@@ -221,7 +221,8 @@ class SchedulerSpecMixin:
         # A request whose token in flight finishes it keeps none of this step's rows: where its
         # drafts' slots start (the row of that token stays: its KV is computed here and cached).
         ends = [r.kv_len + 1 + len(d) for r, d in zip(batch.reqs, batch.drafts)]
-        if self.in_flight is not None:  # the step before is still on its way (drafted ahead)
+        ahead = self.in_flight is not None  # the step before is still on its way (drafted ahead)
+        if ahead:
             pool, page = self.req_to_token_pool, self.page_size
             past_token = [rejected_slots(r, end, pool, page, kept=1) for r, end in zip(batch.reqs, ends)]
             self._take_in_flight(out, batch)
@@ -232,7 +233,7 @@ class SchedulerSpecMixin:
         rejected, finished = [], []
         for i, (req, draft, gained) in enumerate(zip(batch.reqs, batch.drafts, accept(batch.drafts, target_ids))):
             first, row = row, row + 1 + len(draft)
-            if req.finished():  # by the token taken in flight
+            if ahead and req.finished():  # by the token taken in flight
                 rejected.append(past_token[i])
                 out.rollback_slots += -(-len(rejected[-1]) // self.page_size) * self.page_size
                 continue

@@ -116,6 +116,8 @@ class Copying:
 
 @register_drafter("ngram")
 class NgramDrafter(Drafter):
+    drafts_ahead = True  # behind a token on its way, the lookup's first token is the guess for it
+
     def __init__(self, config: EngineConfig, target: ModelRunner) -> None:
         super().__init__(config, target)
         if not 1 <= config.speculative_ngram_min_n <= config.speculative_ngram_max_n:
@@ -129,8 +131,6 @@ class NgramDrafter(Drafter):
         self.copying: dict[str, Copying] = {}  # rid -> where its output copies from
         self.shared: OrderedDict[str, NgramIndex] = OrderedDict()  # finished requests' (share only)
         self.shadow: dict[str, tuple[int, int, int]] = {}  # paused rid -> (position, predicted token, hits)
-
-    drafts_ahead = True  # behind a token on its way, the lookup's first token is the guess for it
 
     def propose(self, reqs: Sequence[DraftReq], budgets: Sequence[int]) -> list[list[int]]:
         drafts: list[list[int]] = []
