@@ -102,11 +102,12 @@ class SchedulerSpecMixin:
         return drafts
 
     def draft_budgets(self, reqs: list[Req]) -> list[int]:
-        """Drafts each request may take now: none while paused or under a grammar (its matcher
-        cannot look ahead), and never past max_new_tokens or the context (the last kept token is
-        the target's own). With CUDA graphs, where the batch's decode step fits the largest graph,
-        no more in all than lets the verify step fit it too (an eager forward costs many replays),
-        requests with the best recent acceptance rates first."""
+        """Drafts each request may take now: none while paused (unless it resumes early here:
+        _copying_again) or under a grammar (its matcher cannot look ahead), and never past
+        max_new_tokens or the context (the last kept token is the target's own). With CUDA graphs,
+        where the batch's decode step fits the largest graph, no more in all than lets the verify
+        step fit it too (an eager forward costs many replays), requests with the best recent
+        acceptance rates first."""
         k = self.config.speculative_num_draft_tokens
         budgets = []
         for r in reqs:
@@ -141,7 +142,7 @@ class SchedulerSpecMixin:
         batches of about its size realized (labkit.speculative.step_costs.RealizedGains).
         Break-even: speculative_min_batch_gain when set, else what this machine's step times say
         (labkit.speculative.step_costs; 1.0 until both kinds of step were timed at this batch size).
-        One drafting request makes the whole batch a verify step, which cannot overlap."""
+        One drafting request makes the whole batch a verify step, whose tokens the host waits for."""
         if not any(budgets):
             return False
         expected = sum(r.spec.recent_rate * b for r, b in zip(reqs, budgets))

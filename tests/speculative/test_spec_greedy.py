@@ -14,7 +14,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 
 
 def run(prompts, params, **kw):
-    # float32 on every device: in bfloat16 a verify row (extend attention, a GEMM) and the decode row
+    # float32 on every device: in bfloat16 a verify row (a row of a larger batch, a GEMM) and the decode row
     # it stands for (decode attention, the one-row GEMV) round differently and near-ties can flip.
     engine = Engine(dtype="float32", **kw)
     outs = engine.generate(input_ids=prompts, sampling_params=params)

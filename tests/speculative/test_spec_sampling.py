@@ -16,7 +16,7 @@ from tests.speculative.conftest import COPY, FIXED_GAIN
 
 @pytest.fixture(scope="module")
 def engines(embedded_dir):
-    # float32 on every device: in bfloat16 a verify row (extend attention over the drafts) and the
+    # float32 on every device: in bfloat16 a verify row (a row of a larger batch, a GEMM) and the
     # decode row it replaces round differently, which flips near-ties and moves logprobs by ~1e-2.
     kw = {"max_total_tokens": 4096, "dtype": "float32"}
     plain = Engine(**kw)
