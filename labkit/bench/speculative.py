@@ -175,7 +175,12 @@ def bench(
                     plain_ids = [o["output_ids"] for o in last[PLAIN]]
                     differed[name] |= {i for i, o in enumerate(outs) if o["output_ids"] != plain_ids[i]}
             done = ", ".join(f"{name} {statistics.median(r):.1f}" for name, r in rates.items())
-            print(f"{workload}, batch {bs}: {done} out tok/s", flush=True)
+            ratios = "; ".join(
+                f"{name} " + " ".join(f"{r / p:.2f}" for r, p in zip(rates[name], rates[PLAIN]))
+                for name in engines
+                if name != PLAIN
+            )
+            print(f"{workload}, batch {bs}: {done} out tok/s (each round's ratio to plain: {ratios})", flush=True)
             for name in engines:
                 rows.append(_row(workload, bs, name, last[name], rates[name], rates[PLAIN], len(differed[name])))
     return rows

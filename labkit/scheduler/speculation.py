@@ -54,6 +54,8 @@ class SchedulerSpecMixin:
     step_costs: StepCosts
     realized_gains: RealizedGains
     spec_attempt: bool
+    waiting_queue: list[Req]
+    chunked_req: Req | None
 
     tp: TPGroup
 
@@ -137,19 +139,35 @@ class SchedulerSpecMixin:
 
     def worth_drafting(self, reqs: list[Req], budgets: list[int]) -> bool:
         """Whether drafting pays for this batch: the tokens its requests are expected to gain reach
-        the break-even gain per request of the batch. Expected: each request's recent acceptance rate
-        times its drafts, and, in a batch of several, no more than what the recent verify steps of
-        batches of about its size realized (labkit.speculative.step_costs.RealizedGains).
+        the break-even gain per request of the batch. Expected per request: the mean of each
+        request's recent acceptance rate times its drafts, in a batch of several no more than what
+        the recent verify steps of batches of about its size realized (labkit.speculative.
+        step_costs.RealizedGains); and, unless requests wait, in part the batch's least gain: where a
+        decode step costs the same at any batch size, tokens gained by a request that is not the
+        batch's last to finish shorten nothing (batch_share weighs the two).
         Break-even: speculative_min_batch_gain when set, else what this machine's step times say
         (labkit.speculative.step_costs; 1.0 until both kinds of step were timed at this batch size).
         One drafting request makes the whole batch a verify step, whose tokens the host waits for."""
         if not any(budgets):
             return False
-        expected = sum(r.spec.recent_rate * b for r, b in zip(reqs, budgets))
+        gains = [r.spec.recent_rate * b for r, b in zip(reqs, budgets)]
+        mean = sum(gains) / len(gains)
         realized = self.realized_gain(len(reqs))
         if realized is not None:
-            expected = min(expected, realized * len(reqs))
-        return expected >= self.break_even(len(reqs)) * len(reqs)
+            mean = min(mean, realized)
+        share = self.batch_share(len(reqs))
+        expected = share * mean + (1 - share) * min(min(gains), mean)
+        return expected >= self.break_even(len(reqs))
+
+    def batch_share(self, batch_size: int) -> float:
+        """How much of the batch's mean gain counts (worth_drafting): 1 alone, when requests wait (a
+        finished request's place is taken), or under a fixed speculative_min_batch_gain; else the
+        share of a decode step's time that grows with the batch (StepCosts.batch_share; 1 until
+        measured)."""
+        waiting = bool(self.waiting_queue or self.chunked_req)
+        if batch_size < 2 or waiting or self.config.speculative_min_batch_gain is not None:
+            return 1.0
+        return self.step_costs.batch_share(batch_size, 1.0)
 
     def realized_gain(self, batch_size: int) -> float | None:
         """What the recent verify steps of batches of about this size realized per request (RealizedGains);
@@ -188,8 +206,8 @@ class SchedulerSpecMixin:
 
     def prepare_verify(self, batch: ScheduleBatch) -> bool:
         """Make a DECODE batch a TARGET_VERIFY one: its requests' drafts, their KV slots and the
-        sampler's rows. False (the batch untouched) when drafting does not pay (drafting_budgets), no
-        request drafts, or the slots are short."""
+        sampler's rows. False (the batch untouched) when drafting does not pay (drafting_budgets, then
+        worth_drafting of the drafts found), or the slots are short."""
         assert self.drafter is not None
         budgets = self.drafting_budgets(batch.reqs)
         if budgets is None:
@@ -202,11 +220,13 @@ class SchedulerSpecMixin:
         for req, budget, draft in zip(batch.reqs, budgets, drafts):
             if budget and not draft:  # drafting for nothing costs the host (and the overlap, unless ahead)
                 req.spec.miss(self.step_id, self.config.speculative_min_accept_rate)
-        if not any(drafts) or not alloc_for_verify(
+        # Asked again of the drafts found: a request left without any gains nothing (and, where the
+        # batch's least gain counts, neither does its batch).
+        if not self.worth_drafting(batch.reqs, [len(d) for d in drafts]) or not alloc_for_verify(
             batch, drafts, self.req_to_token_pool, self.allocator, self.page_size
         ):
-            # A batch that drafted and found nothing to verify (no drafts, no free pages) gained
-            # nothing from it: a fruitless probe, as a verify step that kept nothing.
+            # A batch that drafted and found nothing worth verifying (no drafts, too few, no free
+            # pages) gained nothing from it: a fruitless probe, as a verify step that kept nothing.
             self.realized_gains.record(self.step_id, len(batch.reqs), 0, self.break_even(len(batch.reqs)))
             return False
         batch.forward_mode = ForwardMode.TARGET_VERIFY

@@ -39,9 +39,11 @@ class StepPacket(msgspec.Struct, kw_only=True):
     inputs: list[TokenizedGenerateReqInput | AbortReq | SchedulerCall]
     step: bool = False
     stop: bool = False
-    # Speculative decoding: the leader's measured break-even table (StepCosts.table), which the
-    # followers decide by: step times are the one clock reading a scheduling decision depends on.
+    # Speculative decoding: the leader's measured break-even table and batch shares (StepCosts.table,
+    # .shares), which the followers decide by: step times are the one clock reading a scheduling
+    # decision depends on.
     spec_break_even: dict[int, float] | None = None
+    spec_batch_share: dict[int, float] | None = None
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -68,8 +70,10 @@ class SchedulerTPMixin:
         calls it while idle too, so the followers never wait long in a collective."""
         if self.tp.size == 1 or not self.tp.is_leader:
             return
-        costs = self.step_costs.table or None  # empty without speculation
-        packet = StepPacket(inputs=self._tp_outbox, step=step, stop=stop, spec_break_even=costs)
+        costs, shares = self.step_costs.table or None, self.step_costs.shares or None  # empty without speculation
+        packet = StepPacket(
+            inputs=self._tp_outbox, step=step, stop=stop, spec_break_even=costs, spec_batch_share=shares
+        )
         self._tp_outbox = []
         self.tp.broadcast_bytes(_ENCODER.encode(packet))
 
@@ -84,6 +88,8 @@ class SchedulerTPMixin:
                 return
             if packet.spec_break_even is not None:
                 self.step_costs.table = packet.spec_break_even
+            if packet.spec_batch_share is not None:
+                self.step_costs.shares = packet.spec_batch_share
             if packet.step:
                 self.step()  # type: ignore[attr-defined]  # Scheduler.step
 

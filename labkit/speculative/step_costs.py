@@ -8,6 +8,13 @@ a verify step costs the host's and the device's in series (its drafts need the t
 about 2-3 decode steps for a small model; on a CPU, or for a model whose forward dominates, a
 verify step of a few rows costs little more than a decode step. So the scheduler times its steps
 and asks this table.
+
+The break-even counts every accepted draft as worth a request's share of a decode step, D / B.
+That holds when the freed step is of use: requests wait to take a finished one's place, or the step
+costs less with fewer requests. Where the step costs the same at any batch size (a small model on a
+GPU: the host's share is the step) and nobody waits, a request that finishes early saves nothing:
+the batch lasts until its last request ends. So the table also keeps the share of a decode step's
+time that grows with its batch size, and the scheduler weighs the batch's least gain by the rest.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class StepCosts:
     decode: dict[int, deque[float]] = field(default_factory=dict)
     verify: dict[int, deque[float]] = field(default_factory=dict)
     table: dict[int, float] = field(default_factory=dict)  # bucket -> break-even gain per request
+    shares: dict[int, float] = field(default_factory=dict)  # bucket -> batch_share of its decode step
     counts: dict[tuple[ForwardMode, int], int] = field(default_factory=dict)  # (kind, bucket) -> steps
 
     def record(self, mode: ForwardMode, batch_size: int, seconds: float) -> None:
@@ -49,21 +57,40 @@ class StepCosts:
         if b in self.decode and b in self.verify:
             ratio = statistics.median(self.verify[b]) / statistics.median(self.decode[b])
             self.table[b] = max(0.0, ratio - 1.0)
+        if mode == ForwardMode.DECODE and 1 in self.decode:
+            alone = statistics.median(self.decode[1])
+            for other in [b] if b > 1 else [o for o in self.decode if o > 1]:
+                self.shares[other] = _batch_share(alone, statistics.median(self.decode[other]), other)
 
     def break_even(self, batch_size: int, default: float) -> float:
         """Accepted drafts per request at which a verify step pays for `batch_size` requests;
         `default` until both kinds of step were timed at about this size."""
         return self.table.get(bucket(batch_size), default)
 
+    def batch_share(self, batch_size: int, default: float) -> float:
+        """The share of a decode step's time at about this batch size that grows with the batch (0: a
+        step costs the same at any size; 1: it costs in proportion to it), from the median decode
+        steps alone and at this size; `default` until both were timed."""
+        return self.shares.get(bucket(batch_size), default)
+
     def summary(self) -> list[str]:
         """A line per bucket timed both ways: batch sizes, median decode and verify step (and how many
-        of each ran), break-even."""
+        of each ran), break-even, and batch share where known."""
         return [
             f"batch {2 ** (b - 1)}-{2**b - 1}: decode {statistics.median(self.decode[b]) * 1e3:.2f} ms "
             f"({self.counts[ForwardMode.DECODE, b]}), verify {statistics.median(self.verify[b]) * 1e3:.2f} ms "
             f"({self.counts[ForwardMode.TARGET_VERIFY, b]}), break-even {self.table[b]:.2f} per request"
+            + (f", batch share {self.shares[b]:.2f}" if b in self.shares else "")
             for b in sorted(self.table)
         ]
+
+
+def _batch_share(alone: float, step: float, b: int) -> float:
+    """A decode step as fixed + per_request x B, fitted through B = 1 (`alone`) and the middle of
+    bucket b (`step`): the per-request part's share of `step`, within [0, 1]."""
+    size = 1.5 * 2 ** (b - 1)
+    per_request = (step - alone) / (size - 1)
+    return min(1.0, max(0.0, per_request * size / step))
 
 
 GAIN_MEMORY_STEPS = 64  # a verify step's realized gain counts for this many scheduler steps, at first

@@ -135,3 +135,69 @@ def test_drafting_for_nothing_is_a_fruitless_probe_timed_as_a_verify_step_only_i
         assert not sched.step_costs.verify
         return
     assert sched.step_costs.verify and sched.step_costs.decode.keys() <= {1, 2}
+
+
+def test_batch_share_is_the_part_of_a_decode_step_that_grows_with_its_batch():
+    costs = StepCosts()
+    costs.record(DECODE, 12, 0.002)
+    assert costs.batch_share(12, default=1.0) == 1.0  # alone untimed: unknown
+    costs.record(DECODE, 1, 0.001)  # bucket 8-15 (middle 12): 1 ms fixed + 1/11 ms per request
+    assert abs(costs.batch_share(12, default=1.0) - (12 / 11 * 1e-3) / 0.002) < 1e-9
+    costs.record(DECODE, 5, 0.0009)  # faster than alone (noise): a step of fixed cost, share 0
+    assert costs.batch_share(5, default=1.0) == 0.0
+    for _ in range(SAMPLES):
+        costs.record(DECODE, 16, 0.024)  # 24 x the step alone at 24 requests: all of it grows
+    assert costs.batch_share(20, default=1.0) == 1.0
+
+
+def test_where_steps_cost_the_same_at_any_size_and_none_wait_the_batch_least_gain_decides():
+    from labkit import Engine
+
+    engine = Engine(model_path="tiny-llama", load_format="dummy", speculative_algorithm="ngram")
+    sched = engine.scheduler
+
+    def reqs(*rates):
+        return [SimpleNamespace(spec=SpecState(recent_rate=r)) for r in rates]
+
+    for size in (1, 4):  # host-bound: a decode step of 4 costs what one of 1 does; verify 2 x
+        sched.step_costs.record(DECODE, size, 0.001)
+        sched.step_costs.record(VERIFY, size, 0.002)
+    copying, mixed = reqs(1.0, 1.0, 1.0, 1.0), reqs(1.0, 1.0, 1.0, 0.0)
+    assert sched.worth_drafting(copying, [4] * 4)  # every request gains 4 >= 1: the batch ends sooner
+    assert not sched.worth_drafting(mixed, [4] * 4)  # the fourth gains nothing: the batch lasts as long
+    assert not sched.worth_drafting(copying, [4, 4, 4, 0])  # nothing drafted for it: the same
+    sched.waiting_queue.append(SimpleNamespace())  # a request waits to take a finished one's place
+    assert sched.worth_drafting(mixed, [4] * 4)  # mean gain 3 >= 1
+    sched.waiting_queue.clear()
+    for _ in range(2):  # medians at 4-7 (middle 6): decode 4 ms, mostly per request; verify 8 ms
+        sched.step_costs.record(DECODE, 4, 0.004)
+        sched.step_costs.record(VERIFY, 4, 0.008)
+    assert sched.break_even(4) == 1.0 and sched.worth_drafting(mixed, [4] * 4)  # 0.9 x 3 + 0.1 x 0
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0])
+def test_drafts_found_for_only_part_of_a_batch_verify_only_where_its_mean_gain_counts(monkeypatch, share):
+    from labkit import Engine
+    from labkit.speculative.base import DRAFTERS
+    from tests.speculative.conftest import NoisyDrafter
+
+    class HalfDrafter(NoisyDrafter):
+        RIGHT = 1.0  # the last token again, for the prompts that start with 5; nothing for the others
+
+        def propose(self, reqs, budgets):  # type: ignore[no-untyped-def]
+            drafts = super().propose(reqs, budgets)
+            return [d if r.origin_input_ids[0] == 5 else [] for r, d in zip(reqs, drafts)]
+
+    monkeypatch.setitem(DRAFTERS, "test-half", HalfDrafter)
+    engine = Engine(model_path="tiny-llama", load_format="dummy", speculative_algorithm="test-half")
+    sched = engine.scheduler
+    monkeypatch.setattr(sched, "batch_share", lambda batch_size: share)
+    monkeypatch.setattr(sched, "break_even", lambda batch_size: 1.0)
+    params = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0}
+    outs = engine.generate(input_ids=[[5, 6, 7], [8, 9, 10]], sampling_params=params)
+    verify_steps = [o["meta_info"]["spec_verify_ct"] for o in outs]
+    if share == 0.0:  # the batch lasts as long as its request without drafts: no verify step pays
+        assert verify_steps == [0, 0]
+        assert sched.realized_gains.recent(sched.step_id, 2) == 0.0  # the looks count as fruitless
+    else:
+        assert verify_steps[0] > 0 and verify_steps[1] == 0
