@@ -105,7 +105,7 @@ def min_tokens_ban(
     banned: list[list[int]] = []
     for r in reqs:
         p = r.sampling_params
-        if len(r.output_ids) < p.min_new_tokens:
+        if p.min_new_tokens and len(r.output_ids) < p.min_new_tokens:  # output_ids may be built on asking
             ids = set(p.stop_token_ids or ())
             if not p.ignore_eos:
                 ids |= eos_token_ids

@@ -23,11 +23,15 @@ def ensure_free(tree_cache: BasePrefixCache, allocator: TokenToKVPoolAllocator, 
     return allocator.available_size() >= needed
 
 
-def _last_locs(host_table: torch.Tensor, rows: torch.Tensor, prefix_lens: list[int]) -> list[int]:
+def _last_locs(pool: ReqToTokenPool, req_pool_indices: list[int], prefix_lens: list[int], page_size: int) -> list[int]:
     """Slot of each request's position prefix_len - 1 (-1 where the prefix is empty), in one gather:
-    this runs for every decode step."""
+    this runs for every decode step. At page size 1 the allocator never reads them (no request's last
+    page has room), so nothing is gathered."""
+    if page_size == 1:
+        return [-1] * len(prefix_lens)
+    rows = torch.tensor(req_pool_indices, dtype=torch.int64)
     pos = torch.tensor(prefix_lens, dtype=torch.int64) - 1
-    return host_table[rows, pos.clamp(min=0)].masked_fill_(pos < 0, -1).tolist()
+    return pool.host[rows, pos.clamp(min=0)].masked_fill_(pos < 0, -1).tolist()
 
 
 def alloc_for_extend(
@@ -50,8 +54,8 @@ def alloc_for_extend(
     needed = sum(new_slots_needed(p, s, page_size) for p, s in zip(prefix_lens, seq_lens))
     out = None
     if ensure_free(tree_cache, allocator, needed):
-        rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64)
-        out = allocator.alloc_extend(prefix_lens, seq_lens, _last_locs(req_to_token_pool.host, rows, prefix_lens))
+        last_locs = _last_locs(req_to_token_pool, batch.req_pool_indices, prefix_lens, page_size)
+        out = allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
     if out is None:
         for req in fresh:
             req_to_token_pool.free(held_row(req))
@@ -110,8 +114,8 @@ def alloc_for_verify(
     seq_lens = [p + 1 + len(d) for p, d in zip(prefix_lens, drafts)]
     if sum(new_slots_needed(p, s, page_size) for p, s in zip(prefix_lens, seq_lens)) > allocator.available_size():
         return False
-    rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64)
-    out = allocator.alloc_extend(prefix_lens, seq_lens, _last_locs(req_to_token_pool.host, rows, prefix_lens))
+    last_locs = _last_locs(req_to_token_pool, batch.req_pool_indices, prefix_lens, page_size)
+    out = allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
     if out is None:
         return False
     _write_new_slots(req_to_token_pool, reqs, prefix_lens, seq_lens, out, [], [], [])
@@ -151,10 +155,11 @@ def alloc_for_decode(
     if not ensure_free(tree_cache, allocator, decode_slots_needed(reqs, page_size)):
         return False
     prefix_lens = [r.kv_len for r in reqs]
-    rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64)
-    out = allocator.alloc_decode([p + 1 for p in prefix_lens], _last_locs(req_to_token_pool.host, rows, prefix_lens))
+    last_locs = _last_locs(req_to_token_pool, batch.req_pool_indices, prefix_lens, page_size)
+    out = allocator.alloc_decode([p + 1 for p in prefix_lens], last_locs)
     if out is None:
         return False
+    rows = torch.tensor(batch.req_pool_indices, dtype=torch.int64)
     req_to_token_pool.write(rows, torch.tensor(prefix_lens, dtype=torch.int64), out)
     batch.input_ids = [r.output_ids[-1] for r in reqs]
     batch.positions = prefix_lens
