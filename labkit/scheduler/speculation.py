@@ -256,7 +256,6 @@ class SchedulerSpecMixin:
             first, row = row, row + 1 + len(draft)
             if ahead and req.finished():  # by the token taken in flight
                 rejected.append(past_token[i])
-                out.rollback_slots += -(-len(rejected[-1]) // self.page_size) * self.page_size
                 continue
             kept = []
             for j, token in enumerate(gained):
@@ -267,7 +266,6 @@ class SchedulerSpecMixin:
                     break
             req.kv_len = req.seqlen - 1
             rejected.append(rejected_slots(req, ends[i], self.req_to_token_pool, self.page_size))
-            out.rollback_slots += -(-len(rejected[-1]) // self.page_size) * self.page_size
             # After the token taken from the step in flight, if it was this request's (overlap).
             out.new_token_ids.setdefault(req.rid, []).extend(kept)
             if draft:
@@ -276,6 +274,7 @@ class SchedulerSpecMixin:
                 out.drafts[req.rid], out.accepted[req.rid] = draft, accepted
             if req.finished():
                 finished.append(req)
+        out.rollback_slots += sum(-(-len(slots) // self.page_size) * self.page_size for slots in rejected)
         kept_drafts = sum(out.accepted.values())
         self.realized_gains.record(self.step_id, len(batch.reqs), kept_drafts, self.break_even(len(batch.reqs)))
         # One free for the batch (a free costs a few tensor ops, whatever its size), before the

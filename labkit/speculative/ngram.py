@@ -31,6 +31,11 @@ RESUME_SLACK = 4  # text tokens a resumed copy may have skipped beyond those it 
 SHADOW_HITS = 2  # a paused request's tokens predicted in a row before it drafts again (copying_again)
 
 
+def _on_its_way(output_ids: Sequence[int]) -> int:
+    """1 when the output ends with a token still on the device (a future token: drafted ahead), else 0."""
+    return int(bool(output_ids) and FutureMap.is_future(output_ids[-1]))
+
+
 @dataclass
 class NgramIndex:
     """For one token sequence: where each n-gram (min_n <= n <= max_n) ended, indexed as the
@@ -140,7 +145,7 @@ class NgramDrafter(Drafter):
                 continue
             self.shadow.pop(req.rid, None)
             index = self._synced(req)
-            guess = int(bool(req.output_ids) and FutureMap.is_future(req.output_ids[-1]))
+            guess = _on_its_way(req.output_ids)
             copying = self.copying.setdefault(req.rid, Copying())
             draft, source = self._lookup(index, copying, k + guess)
             for other in reversed(self.shared.values()) if self.share and not draft else ():
@@ -177,7 +182,7 @@ class NgramDrafter(Drafter):
         prompt, out = req.origin_input_ids, req.output_ids
         if len(index.ids) < len(prompt):
             index.extend(prompt[len(index.ids) :])
-        known = len(out) - int(bool(out) and FutureMap.is_future(out[-1]))
+        known = len(out) - _on_its_way(out)
         index.extend(out[len(index.ids) - len(prompt) : known])
         return index
 
