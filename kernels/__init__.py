@@ -3,7 +3,9 @@ labkit.kernels.reference: store_kv (kv_cache.py), decode_attention (decode.py), 
 (extend.py), rmsnorm and fused_add_rmsnorm (norm.py), rotary_embedding (rotary.py), silu_and_mul
 (activation.py), moe_align_block_size (moe_align.py) and fused_moe (fused_moe.py); and gemv,
 gemv_rmsnorm and gemv_silu_and_mul (gemv.py: a one-row linear layer, alone or after the norm or the
-activation that precedes it; the references are F.linear after those).
+activation that precedes it, split along K where the weight is tall; the references are F.linear
+after those). The decode-path kernels (gemv, rotary, store_kv, decode_attention) launch
+programmatically dependent on the kernel ahead on Hopper-class GPUs (pdl.py).
 `python -m labkit.kernels.bench` times the attention kernels on a GPU, `python -m
 labkit.kernels.bench_moe` the mixture-of-experts kernels.
 
@@ -16,7 +18,9 @@ from labkit.kernels.activation import silu_and_mul
 from labkit.kernels.decode import decode_attention, decode_kv_splits
 from labkit.kernels.extend import ExtendPlan, extend_attention
 from labkit.kernels.fused_moe import fused_moe
+from labkit.kernels.gemv import Split as GemvSplit
 from labkit.kernels.gemv import gemv, gemv_rmsnorm, gemv_silu_and_mul
+from labkit.kernels.gemv import semaphore_count as gemv_semaphore_count
 from labkit.kernels.kv_cache import store_kv
 from labkit.kernels.moe_align import moe_align_block_size
 from labkit.kernels.norm import fused_add_rmsnorm, rmsnorm
@@ -29,8 +33,10 @@ __all__ = [
     "extend_attention",
     "fused_add_rmsnorm",
     "fused_moe",
+    "GemvSplit",
     "gemv",
     "gemv_rmsnorm",
+    "gemv_semaphore_count",
     "gemv_silu_and_mul",
     "moe_align_block_size",
     "rmsnorm",

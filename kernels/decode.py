@@ -5,10 +5,11 @@ Stage 1 cuts each request's KV into `num_kv_splits[b]` contiguous ranges and run
 tile, so Q K^T and P V are matrix products (tensor cores on a GPU) and each K/V row is read once for
 the whole group. A program streams its range in BLOCK_N-token blocks (slots looked up through
 req_to_token, so any page size works) with an online softmax, and writes its partial output
-(normalized) and log-sum-exp. Stage 2, one program per (request, KV head), merges the splits:
-out = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max lse), as a running (online) merge. When
-the bound on splits is 1 (large batches fill the GPU without splitting), stage 1 writes the output
-itself and stage 2 is not launched.
+(normalized) and log-sum-exp. The last split of a (request, KV head) to finish, which a semaphore
+counts, merges them: out = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max lse), every
+split's partial loaded at once and summed in a fixed order. A second kernel for the merge would cost a launch per layer, about
+4 us of a batch-1 step's few hundred (docs/benchmarks.md). When the bound on splits is 1 (large
+batches fill the GPU without splitting), each program writes the output itself.
 
 A float8 pool (--kv-cache-dtype fp8_*) is loaded as float8 and dequantized in the kernel: the K
 scale is folded into the score scale (q.(s k) = s (q.k)), the V scale multiplies each split's output
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 
 from labkit.kernels.flash import LOG2E, paged_block_step
+from labkit.kernels.pdl import pdl_options, pdl_wait
 from labkit.mem_cache.memory_pool import is_fp8
 
 DEFAULT_MAX_KV_SPLITS = 16
@@ -33,6 +35,7 @@ MIN_TOKENS_PER_SPLIT = 64  # never cut a request into splits shorter than this (
 PROGRAMS_PER_SM = 2  # stage-1 programs the split heuristic aims for, per multiprocessor
 MIN_BLOCK_H = 16  # rows of a tl.dot operand must be >= 16
 MAX_BLOCK_H = 64
+MERGE_TILE = 8192  # float32 partials the merge loads at once (32 KB: 64 registers a thread of 4 warps)
 
 
 def stage1_config(head_dim: int, kv_bytes: int = 2) -> dict[str, int]:
@@ -57,6 +60,7 @@ def _decode_stage1_kernel(
     Num_kv_splits,
     Mid_o,
     Mid_lse,
+    Semaphores,
     O,
     qk_scale,  # sm_scale * log2(e) * k_scale: scores are kept in base 2
     v_scale,
@@ -81,9 +85,14 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    MERGE_H: tl.constexpr,  # query heads the merge takes at a time
+    MERGE_S: tl.constexpr,  # max_kv_splits, padded to a power of two
+    MERGE_HEADS: tl.constexpr,  # query heads of a program: min(BLOCK_H, GROUP)
     ONE_SPLIT: tl.constexpr,  # every request is one split: write the output, no workspace
     FP16_DOT: tl.constexpr,  # a float8 pool under a 16-bit q: multiply in float16
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     split = tl.program_id(2)
@@ -152,58 +161,94 @@ def _decode_stage1_kernel(
             mask=mask_h[:, None] & mask_d[None, :],
         )
         tl.store(Mid_lse + b * stride_mlb + offs_h * stride_mlh + split, lse, mask=mask_h)
+        # The last split of this (request, head block) to arrive merges them all (the semaphore
+        # counts arrivals; acq_rel makes the others' partials visible) and leaves it at zero.
+        tl.debug_barrier()  # every thread's partial is written before the count goes up
+        semaphore = Semaphores + b * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(semaphore, 1) == num_splits - 1:
+            tl.store(semaphore, 0)
+            _merge_splits(
+                Mid_o + b * stride_mob,
+                Mid_lse + b * stride_mlb,
+                num_splits,
+                O + b * stride_ob,
+                kv_head * GROUP,
+                (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H,
+                stride_moh,
+                stride_mos,
+                stride_mlh,
+                stride_oh,
+                GROUP,
+                HEAD_DIM,
+                BLOCK_D,
+                MERGE_H,
+                MERGE_S,
+                MERGE_HEADS,
+            )
 
 
 @triton.jit
-def _decode_stage2_kernel(
+def _merge_splits(
     Mid_o,
     Mid_lse,
-    Num_kv_splits,
+    num_splits,
     O,
-    stride_mob,
+    head0,  # the KV head's first query head
+    g0,  # this program's first head in the group
     stride_moh,
     stride_mos,
-    stride_mlb,
     stride_mlh,
-    stride_ob,
     stride_oh,
     GROUP: tl.constexpr,
-    HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    MERGE_H: tl.constexpr,
+    MERGE_S: tl.constexpr,
+    MERGE_HEADS: tl.constexpr,
 ):
-    """Merges the splits of one (request, KV head's query heads): an online softmax over partials."""
-    b = tl.program_id(0)
-    offs_g = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_g < GROUP
-    offs_h = (tl.program_id(1) // HEAD_BLOCKS) * GROUP + offs_g
+    """Query heads g0 .. g0 + MERGE_HEADS of the group from their splits' partials: MERGE_H heads at a
+    time, every split's partial loaded at once ([MERGE_H, MERGE_S, D]: one round trip to memory,
+    not one per split) and summed in a fixed order. The loads skip L1: other multiprocessors wrote
+    them during this launch."""
+    offs_s = tl.arange(0, MERGE_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for split in range(0, tl.load(Num_kv_splits + b)):
-        lse = tl.load(Mid_lse + b * stride_mlb + offs_h * stride_mlh + split, mask=mask_h, other=float("-inf"))
-        part = tl.load(
-            Mid_o + b * stride_mob + offs_h[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
-            mask=mask,
-            other=0.0,
+    mask_sd = (offs_s < num_splits)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    for c in tl.static_range(0, MERGE_HEADS, MERGE_H):
+        offs_g = g0 + c + tl.arange(0, MERGE_H)
+        mask_h = offs_g < GROUP
+        offs_h = head0 + offs_g
+        lse = tl.load(
+            Mid_lse + offs_h[:, None] * stride_mlh + offs_s[None, :],
+            mask=mask_h[:, None] & (offs_s < num_splits)[None, :],
+            other=float("-inf"),
+            cache_modifier=".cg",
         )
-        m_new = tl.maximum(m_i, lse)  # empty splits have lse -inf (and a zero partial)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        w = tl.exp2(lse - m_safe)
-        l_i = l_i * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * part
-        m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(O + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty), mask=mask)
+        part = tl.load(
+            Mid_o + offs_h[:, None, None] * stride_moh + offs_s[None, :, None] * stride_mos + offs_d[None, None, :],
+            mask=mask_h[:, None, None] & mask_sd[None, :, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        m = tl.max(lse, 1)  # empty splits have lse -inf (and a zero partial): weight 0
+        w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[:, None])
+        l_sum = tl.sum(w, 1)
+        out = tl.sum(w[:, :, None] * part, 1) / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        tl.store(
+            O + offs_h[:, None] * stride_oh + offs_d[None, :],
+            out.to(O.dtype.element_ty),
+            mask=mask_h[:, None] & (offs_d < HEAD_DIM)[None, :],
+        )
 
 
 def head_block(group: int) -> int:
     """Query-head rows per stage-1 program: the whole KV group, padded to a power of two >= 16."""
     return min(max(triton.next_power_of_2(group), MIN_BLOCK_H), MAX_BLOCK_H)
+
+
+def decode_semaphore_count(batch: int, num_heads: int, num_kv_heads: int) -> int:
+    """Semaphores decode_attention counts split arrivals in: one per (request, KV head, head block)."""
+    group = num_heads // num_kv_heads
+    return batch * num_kv_heads * triton.cdiv(group, head_block(group))
 
 
 def num_sms(device: torch.device) -> int:
@@ -252,6 +297,7 @@ def decode_attention(
     mid_lse: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    semaphores: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its KV in the pool; returns out [B, H, D].
 
@@ -263,7 +309,9 @@ def decode_attention(
     (query head h reads KV head h // (H / H_kv)). num_kv_splits: [B] int32 with values in
     [1, max_kv_splits]; max_kv_splits sizes the grid's split axis (default for both: decode_kv_splits,
     capped at the given max_kv_splits). mid_o [B, H, >= max_kv_splits, D] and mid_lse
-    [B, H, >= max_kv_splits] float32 are the stage-1 workspace (allocated when not given).
+    [B, H, >= max_kv_splits] float32 are the stage-1 workspace (allocated when not given), and
+    semaphores >= decode_semaphore_count(B, H, H_kv) int32 zeros, left zero, count the splits that
+    are done (allocated when not given; launches sharing them must not run concurrently).
     float32 inputs use full-precision (IEEE) matrix products; 16-bit ones accumulate in float32.
     k_scale, v_scale: the layer's scales of a float8 pool (ignored for other buffers, as store_kv)."""
     batch, num_heads, head_dim = q.shape
@@ -282,6 +330,11 @@ def decode_attention(
         mid_o = torch.empty(batch, num_heads, max_kv_splits, head_dim, dtype=torch.float32, device=q.device)
     if mid_lse is None:
         mid_lse = torch.empty(batch, num_heads, max_kv_splits, dtype=torch.float32, device=q.device)
+    if semaphores is None:
+        semaphores = torch.zeros(
+            decode_semaphore_count(batch, num_heads, num_kv_heads), dtype=torch.int32, device=q.device
+        )
+    assert semaphores.numel() >= decode_semaphore_count(batch, num_heads, num_kv_heads)
     assert mid_o.stride(3) == 1 and mid_lse.stride(2) == 1 and out.stride(2) == 1
 
     group = num_heads // num_kv_heads
@@ -289,6 +342,8 @@ def decode_attention(
     head_blocks = triton.cdiv(group, block_h)
     block_d = triton.next_power_of_2(head_dim)
     one_split = max_kv_splits == 1
+    merge_s = triton.next_power_of_2(max_kv_splits)
+    merge_h = min(block_h, triton.next_power_of_2(group), max(1, MERGE_TILE // (merge_s * block_d)))
     if not is_fp8(k_buffer.dtype):
         k_scale = v_scale = 1.0
     _decode_stage1_kernel[(batch, num_kv_heads * head_blocks, max_kv_splits)](
@@ -301,6 +356,7 @@ def decode_attention(
         num_kv_splits,
         mid_o,
         mid_lse,
+        semaphores,
         out,
         sm_scale * LOG2E * k_scale,
         v_scale,
@@ -323,30 +379,13 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        MERGE_H=merge_h,
+        MERGE_S=merge_s,
+        MERGE_HEADS=min(block_h, group),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP16_DOT=is_fp8(k_buffer.dtype) and q.dtype != torch.float32,
         ONE_SPLIT=one_split,
         **stage1_config(head_dim, k_buffer.element_size()),
-    )
-    if one_split:
-        return out
-    _decode_stage2_kernel[(batch, num_kv_heads * head_blocks)](
-        mid_o,
-        mid_lse,
-        num_kv_splits,
-        out,
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
-        GROUP=group,
-        HEAD_BLOCKS=head_blocks,
-        HEAD_DIM=head_dim,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
-        num_warps=4,
+        **pdl_options(q.device, batch),
     )
     return out

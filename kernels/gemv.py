@@ -6,11 +6,21 @@ owns BLOCK_N output features and streams their rows of W through registers, BLOC
 time, against the one row of x: a weight-bandwidth-bound dot product with N / BLOCK_N programs in
 flight. Products and sums in float32, one rounding to the output dtype.
 
+A tall weight (K > N: o_proj, down_proj) has too few output tiles to keep the GPU's memory system
+busy, so its K is cut into split_k pieces, one program per (tile, piece) (gemv_split_k). Each piece
+leaves its float32 partial sums; the last piece of a tile to finish (an atomic counter, a
+semaphore, says which) adds them in piece order, so the result does not depend on timing, and
+finishes the tile. On an H200 that took Qwen3-0.6B's down_proj from 7.7 to 5.6 us and Qwen2.5's
+(4864 -> 896) from 11.0 to 6.5 us, ahead of cuBLAS's 8.4 (kernels/bench_gemv.py).
+
+Each launch is programmatically dependent on the kernel ahead (labkit.kernels.pdl): its first
+weight tile streams in before it waits for that kernel's output.
+
 At batch 1 a decode step is a chain of a few hundred kernels of 2-8 us each, and the elementwise ones
 between the projections cost their launch, not their bytes. Two of them run here, in the prologue
 that makes the row x each program multiplies (every program re-reads the few KB of input, from L2):
 - gemv_rmsnorm: x = rmsnorm(h + residual), the decoder layer's norm before qkv_proj and gate_up_proj
-  (program 0 also writes the new residual stream h + residual);
+  (the first tile's programs also write the new residual stream h + residual);
 - gemv_silu_and_mul: x = silu(gate) * up from gate_up_proj's output, before down_proj.
 The activation rounds where labkit.kernels.silu_and_mul rounds. The norm needs the whole row's
 statistic before it can scale, which would mean a pass over the row before the first weight load;
@@ -21,11 +31,18 @@ scaled): the fused result is the more exact one, a few 16-bit ulps from the unfu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-MAX_BLOCK_K = 512
+from labkit.kernels.decode import num_sms
+from labkit.kernels.pdl import pdl_options, pdl_wait
+
+MAX_SPLIT_K = 16
+MIN_K_PER_SPLIT = 256  # inputs a split program streams at least (gemv_split_k)
+SPLIT_PROGRAMS_PER_SM = 8  # programs per multiprocessor gemv_split_k aims for
 PLAIN, RMSNORM, SILU_AND_MUL = 0, 1, 2  # the prologue
 
 
@@ -38,32 +55,44 @@ def _gemv_kernel(
     R,
     NW,
     RES_OUT,
+    Partial,
+    Sq,
+    Semaphores,
     N,
     K,
+    k_per_split,
     stride_wn,
     eps,
     HAS_BIAS: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid, split = tl.program_id(0), tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)  # the norm's statistic, gathered on the way
-    for k0 in range(0, K, BLOCK_K):
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    # The weights are one tile ahead of the sums: the first tile streams in before the wait for the
+    # kernel ahead (no kernel writes weights), each next one while the current one is summed.
+    k = k_start + offs_k
+    w = tl.load(rows + k[None, :], mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
+    pdl_wait(PDL)
+    for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + offs_k
-        k_mask = k < K
-        w = tl.load(rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        k_mask = k < k_end
         x = tl.load(X + k, mask=k_mask, other=0.0)
         if PROLOGUE == 1:  # sum w (h * norm weight); the 1 / rms(h) that scales it comes at the end
             if HAS_RESIDUAL:  # h = x + residual, rounded like torch's x + residual
                 x = (x.to(tl.float32) + tl.load(R + k, mask=k_mask, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
-                if pid == 0:
+                if pid == 0:  # the first tile of each split writes its range of the new residual
                     tl.store(RES_OUT + k, x, mask=k_mask)
             hf = x.to(tl.float32)
             sq += hf * hf
@@ -72,9 +101,35 @@ def _gemv_kernel(
             gate = x.to(tl.float32)
             up = tl.load(X + K + k, mask=k_mask, other=0.0).to(tl.float32)
             x = (gate / (1.0 + tl.exp(-gate)) * up).to(X.dtype.element_ty)
+        w_next = tl.load(
+            rows + (k + BLOCK_K)[None, :], mask=n_mask[:, None] & (k + BLOCK_K < k_end)[None, :], other=0.0
+        )
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        w = w_next
+    sq_sum = tl.sum(sq, 0)
+    if SPLIT_K > 1:
+        # Serial split-K: each split leaves its partial sums; the tile's last split to arrive (the
+        # semaphore counts them) adds them in split order, so the result does not depend on timing.
+        tl.store(Partial + split * N + offs_n, acc, mask=n_mask)
+        tl.store(Sq + pid * SPLIT_K + split, sq_sum)
+        tl.debug_barrier()  # every thread's partials are written before the count goes up
+        if tl.atomic_add(Semaphores + pid, 1) == SPLIT_K - 1:  # acq_rel: the others' partials are seen
+            splits = tl.arange(0, SPLIT_K)
+            parts = tl.load(
+                Partial + splits[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0.0, cache_modifier=".cg"
+            )
+            acc = tl.sum(parts, 0)
+            sq_sum = tl.sum(tl.load(Sq + pid * SPLIT_K + splits, cache_modifier=".cg"), 0)
+            tl.store(Semaphores + pid, 0)  # left at zero for the next launch
+            _gemv_epilogue(acc, sq_sum, B, Y, offs_n, n_mask, K, eps, HAS_BIAS, PROLOGUE)
+    else:
+        _gemv_epilogue(acc, sq_sum, B, Y, offs_n, n_mask, K, eps, HAS_BIAS, PROLOGUE)
+
+
+@triton.jit
+def _gemv_epilogue(acc, sq_sum, B, Y, offs_n, n_mask, K, eps, HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr):
     if PROLOGUE == 1:
-        acc *= tl.rsqrt(tl.sum(sq, 0) / K + eps)
+        acc *= tl.rsqrt(sq_sum / K + eps)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=n_mask)
@@ -87,11 +142,53 @@ def _check(x: torch.Tensor, weight: torch.Tensor, width: int) -> None:
         raise ValueError("gemv needs the weight's rows contiguous")
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """A launch's shape: output features per program, inputs per inner step, warps per program."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def block_n(n: int) -> int:
+    """Output features per program: the sizes that won on an H200 (docs/benchmarks.md)."""
+    return 16 if n >= 8192 else 8
+
+
+def default_tiles(n: int, k_split: int) -> Tiles:
+    """The tiles for N outputs over pieces of k_split inputs, from the sweep on an H200
+    (docs/benchmarks.md): a piece of up to 1024 inputs in one step where N is at most 4096 (up to
+    512 beyond, where the many tiles keep the GPU busy anyway), 8 warps for steps of 1024 or more."""
+    block_k = min(1024 if n <= 4096 else 512, triton.next_power_of_2(k_split))
+    return Tiles(block_n(n), block_k, 8 if block_k >= 1024 or k_split >= 2048 else 4)
+
+
+def semaphore_count(n: int) -> int:
+    """Semaphores a split-K launch over N output features needs (one per tile of block_n(n))."""
+    return triton.cdiv(n, block_n(n))
+
+
+def gemv_split_k(n: int, k: int, sms: int) -> int:
+    """K splits for an N x K weight on a GPU of `sms` multiprocessors. A tall weight (K > N: o_proj,
+    down_proj) has few output tiles for its bytes: cut it into the fewest pieces (a power of two)
+    that put SPLIT_PROGRAMS_PER_SM programs on each multiprocessor, keeping at least MIN_K_PER_SPLIT
+    inputs a piece. A wide one is one piece: its tiles already fill the GPU, and on an H200 every
+    cut of one made it slower (docs/benchmarks.md)."""
+    split, tiles = 1, semaphore_count(n)
+    if k <= n:
+        return split
+    while split < MAX_SPLIT_K and tiles * split < SPLIT_PROGRAMS_PER_SM * sms and k >= 2 * split * MIN_K_PER_SPLIT:
+        split *= 2
+    return split
+
+
 def _launch(
     row: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     out: torch.Tensor,
+    split: Split,
     prologue: int = PLAIN,
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
@@ -99,9 +196,22 @@ def _launch(
     eps: float = 0.0,
 ) -> None:
     n, k = weight.shape
-    block_n = 16 if n >= 8192 else 8  # the sizes that won on an H200 (docs/benchmarks.md)
-    block_k = min(MAX_BLOCK_K, triton.next_power_of_2(k))
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    split_k = split.split_k or gemv_split_k(n, k, num_sms(row.device))
+    if split_k & (split_k - 1) or not 1 <= split_k <= MAX_SPLIT_K:
+        raise ValueError(f"split_k must be a power of two in [1, {MAX_SPLIT_K}], got {split_k}")
+    shape = split.tiles or default_tiles(n, triton.cdiv(k, split_k))
+    tiles = triton.cdiv(n, shape.block_n)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), shape.block_k) * shape.block_k
+    partial = sq = semaphores = row  # never read with one split
+    if split_k > 1:
+        partial = torch.empty(split_k, n, dtype=torch.float32, device=row.device)
+        sq = torch.empty(tiles * split_k, dtype=torch.float32, device=row.device)
+        semaphores = split.semaphores
+        if semaphores is None:
+            semaphores = torch.zeros(tiles, dtype=torch.int32, device=row.device)
+        elif semaphores.numel() < tiles or semaphores.dtype != torch.int32:
+            raise ValueError(f"split-K needs {tiles} int32 semaphores, got {semaphores.numel()} {semaphores.dtype}")
+    _gemv_kernel[(tiles, split_k)](
         row,
         weight,
         bias if bias is not None else row,  # never read without HAS_BIAS
@@ -109,26 +219,46 @@ def _launch(
         residual if residual is not None else row,  # nor these without their prologue
         norm_weight if norm_weight is not None else row,
         res_out if res_out is not None else row,
+        partial,
+        sq,
+        semaphores,
         n,
         k,
+        k_per_split,
         weight.stride(0),
         eps,
         HAS_BIAS=bias is not None,
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=8 if k >= 2048 else 4,
+        SPLIT_K=split_k,
+        BLOCK_N=shape.block_n,
+        BLOCK_K=shape.block_k,
+        num_warps=shape.num_warps,
+        **pdl_options(row.device, 1),
     )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class Split:
+    """How a launch cuts K: split_k (None: gemv_split_k's choice for the device) and the int32
+    semaphores a split launch counts arrivals in (at least semaphore_count(N), all zero; the kernel
+    leaves them zero; None: allocated per call). A caller that launches often (a linear layer) keeps
+    its own, so a launch costs no memset; launches sharing them must not run concurrently."""
+
+    split_k: int | None = None
+    semaphores: torch.Tensor | None = None
+    tiles: Tiles | None = None  # None: default_tiles (another for tuning: kernels/bench_gemv.py --sweep)
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, split: Split = Split()
+) -> torch.Tensor:
     """x [..., K] holding one row, weight [N, K] with unit stride along K, bias [N] or None ->
     [..., N] in x's dtype, equal to F.linear(x, weight, bias) up to float32 summation order."""
     n, k = weight.shape
     _check(x, weight, k)
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    _launch(x.reshape(k).contiguous(), weight, bias, out)
+    _launch(x.reshape(k).contiguous(), weight, bias, out, split)
     return out
 
 
@@ -139,6 +269,7 @@ def gemv_rmsnorm(
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    split: Split = Split(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(gemv(rmsnorm(h, norm_weight, eps), weight, bias), h) with h = x + residual (residual None:
     h = x, returned as is): labkit.kernels.fused_add_rmsnorm (or rmsnorm) then gemv, in one kernel.
@@ -150,20 +281,23 @@ def gemv_rmsnorm(
     row = x.reshape(k).contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     if residual is None:
-        _launch(row, weight, bias, out, RMSNORM, None, norm_weight.contiguous(), None, eps)
+        _launch(row, weight, bias, out, split, RMSNORM, None, norm_weight.contiguous(), None, eps)
         return out, x
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError("the residual must have x's shape and dtype")
     res_out = torch.empty_like(row)  # not in place: other programs still read the residual
-    _launch(row, weight, bias, out, RMSNORM, residual.reshape(k).contiguous(), norm_weight.contiguous(), res_out, eps)
+    res = residual.reshape(k).contiguous()
+    _launch(row, weight, bias, out, split, RMSNORM, res, norm_weight.contiguous(), res_out, eps)
     return out, res_out.view(x.shape)
 
 
-def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, split: Split = Split()
+) -> torch.Tensor:
     """gemv(silu_and_mul(x), weight, bias) in one kernel: x [..., 2K] = [gate | up] holding one row,
     weight [N, K] -> [..., N] in x's dtype."""
     n, k = weight.shape
     _check(x, weight, 2 * k)
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    _launch(x.reshape(2 * k).contiguous(), weight, bias, out, SILU_AND_MUL)
+    _launch(x.reshape(2 * k).contiguous(), weight, bias, out, split, SILU_AND_MUL)
     return out

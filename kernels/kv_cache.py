@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from labkit.kernels.pdl import pdl_options, pdl_wait
 from labkit.mem_cache.memory_pool import is_fp8
 
 
@@ -36,8 +37,10 @@ def _store_kv_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     FP8_MAX: tl.constexpr,  # 0: the pool is not float8 (a plain cast, scales unused)
+    PDL: tl.constexpr,
 ):
     """Copies a [BLOCK_T tokens, BLOCK_R elements] tile of the flattened [T, H_kv * D] rows."""
+    pdl_wait(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_t = offs_t < num_tokens
@@ -104,4 +107,5 @@ def store_kv(
         BLOCK_R=block_r,
         FP8_MAX=torch.finfo(k_buffer.dtype).max if is_fp8(k_buffer.dtype) else 0.0,
         num_warps=4,
+        **pdl_options(k.device, num_tokens),
     )

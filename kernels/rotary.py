@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from labkit.kernels.pdl import pdl_options, pdl_wait
+
 
 @triton.jit
 def _rope_heads(
@@ -73,48 +75,52 @@ def _rope_kernel(
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    pdl_wait(PDL)
     pos = tl.load(Positions + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     cos = tl.load(Cos_sin + pos * stride_cs + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(Cos_sin + pos * stride_cs + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
-    _rope_heads(
-        Q,
-        Q_out,
-        Q_w,
-        eps,
-        t,
-        stride_qt,
-        stride_qh,
-        stride_qot,
-        stride_qoh,
-        cos,
-        sin,
-        NUM_Q_HEADS,
-        HALF,
-        BLOCK_HQ,
-        BLOCK_HALF,
-        HAS_NORM,
-    )
-    _rope_heads(
-        K,
-        K_out,
-        K_w,
-        eps,
-        t,
-        stride_kt,
-        stride_kh,
-        stride_kot,
-        stride_koh,
-        cos,
-        sin,
-        NUM_K_HEADS,
-        HALF,
-        BLOCK_HK,
-        BLOCK_HALF,
-        HAS_NORM,
-    )
+    if tl.program_id(1) == 0:  # q and k in two programs: at a few tokens, latency is the cost
+        _rope_heads(
+            Q,
+            Q_out,
+            Q_w,
+            eps,
+            t,
+            stride_qt,
+            stride_qh,
+            stride_qot,
+            stride_qoh,
+            cos,
+            sin,
+            NUM_Q_HEADS,
+            HALF,
+            BLOCK_HQ,
+            BLOCK_HALF,
+            HAS_NORM,
+        )
+    else:
+        _rope_heads(
+            K,
+            K_out,
+            K_w,
+            eps,
+            t,
+            stride_kt,
+            stride_kh,
+            stride_kot,
+            stride_koh,
+            cos,
+            sin,
+            NUM_K_HEADS,
+            HALF,
+            BLOCK_HK,
+            BLOCK_HALF,
+            HAS_NORM,
+        )
 
 
 def rotary_embedding(
@@ -153,7 +159,7 @@ def rotary_embedding(
         assert all(w.shape == (head_dim,) and w.is_contiguous() for w in norm_weights)
     q_w, k_w = norm_weights if norm_weights is not None else (cos_sin_cache, cos_sin_cache)  # unread
     half = head_dim // 2
-    _rope_kernel[(num_tokens,)](
+    _rope_kernel[(num_tokens, 2)](
         positions,
         q,
         k,
@@ -180,5 +186,6 @@ def rotary_embedding(
         BLOCK_HALF=triton.next_power_of_2(half),
         HAS_NORM=norm_weights is not None,
         num_warps=4,
+        **pdl_options(q.device, num_tokens),
     )
     return q_out, k_out

@@ -7,9 +7,10 @@ offsets and the tile plan for extend and mixed batches); each layer then stores 
 requests are extends of length 1). Without CUDA the kernels run in Triton's interpreter (slow).
 A float8 pool's per-layer scales go to the kernels as arguments (they quantize and dequantize).
 
-Decode can run inside a CUDA graph (see the hooks in AttentionBackend): the split counts and the
-stage-1 workspace then live in buffers allocated once for the largest captured batch, the grid's
-split bound depends on the batch size alone, and a replay rewrites the split counts in place."""
+Decode can run inside a CUDA graph (see the hooks in AttentionBackend): the split counts, the
+stage-1 workspace and the semaphores of the splits' merge then live in buffers allocated once for
+the largest captured batch, the grid's split bound depends on the batch size alone, and a replay
+rewrites the split counts in place."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from labkit.kernels.decode import (
     DEFAULT_MAX_KV_SPLITS,
     decode_attention,
     decode_kv_splits,
+    decode_semaphore_count,
     num_sms,
 )
 from labkit.kernels.extend import ExtendPlan, extend_attention, extend_blocks
@@ -51,6 +53,7 @@ class _DecodeMetadata:
     max_kv_splits: int  # their bound (the grid's split axis)
     mid_o: torch.Tensor  # [bs, H, max_kv_splits, D] float32 workspace
     mid_lse: torch.Tensor  # [bs, H, max_kv_splits] float32 workspace
+    semaphores: torch.Tensor  # int32 zeros, left zero by every layer (decode_semaphore_count)
 
 
 @dataclass
@@ -60,6 +63,7 @@ class _GraphBuffers:
     num_kv_splits: torch.Tensor  # [max_bs] int32, rewritten in place before each replay
     mid_o: torch.Tensor  # [max_bs, H, max_kv_splits, D] float32 workspace
     mid_lse: torch.Tensor  # [max_bs, H, max_kv_splits] float32 workspace
+    semaphores: torch.Tensor  # for max_bs requests, int32 zeros (left zero by every layer)
 
 
 @dataclass
@@ -110,7 +114,11 @@ class TritonAttnBackend(AttentionBackend):
         splits, bound = decode_kv_splits(fb.seq_lens, c.num_heads, c.num_kv_heads, self.num_sms, self.max_kv_splits)
         mid_o = torch.empty(bs, c.num_heads, bound, c.head_dim, dtype=torch.float32, device=self.device)
         mid_lse = torch.empty(bs, c.num_heads, bound, dtype=torch.float32, device=self.device)
-        return _DecodeMetadata(splits, bound, mid_o, mid_lse)
+        return _DecodeMetadata(splits, bound, mid_o, mid_lse, self._semaphores(bs))
+
+    def _semaphores(self, bs: int) -> torch.Tensor:
+        count = decode_semaphore_count(bs, self.config.num_heads, self.config.num_kv_heads)
+        return torch.zeros(count, dtype=torch.int32, device=self.device)
 
     def _decode_as_extend(self, fb: ForwardBatch) -> _ExtendMetadata:
         """The decode batch as extends of one token each: their K/V then come from the arguments."""
@@ -129,6 +137,7 @@ class TritonAttnBackend(AttentionBackend):
             torch.ones(max_bs, dtype=torch.int32, device=self.device),
             torch.empty(max_bs, c.num_heads, self.max_kv_splits, c.head_dim, dtype=torch.float32, device=self.device),
             torch.empty(max_bs, c.num_heads, self.max_kv_splits, dtype=torch.float32, device=self.device),
+            self._semaphores(max_bs),
         )
 
     def _graph_splits(self, fb: ForwardBatch) -> tuple[_GraphBuffers, torch.Tensor, int]:
@@ -148,7 +157,9 @@ class TritonAttnBackend(AttentionBackend):
         graph, splits, bound = self._graph_splits(forward_batch)
         graph.num_kv_splits[:bs].copy_(splits)  # valid counts for the warm-up forwards too
         self.extend = None
-        self.decode = _DecodeMetadata(graph.num_kv_splits[:bs], bound, graph.mid_o[:bs], graph.mid_lse[:bs])
+        self.decode = _DecodeMetadata(
+            graph.num_kv_splits[:bs], bound, graph.mid_o[:bs], graph.mid_lse[:bs], graph.semaphores
+        )
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         graph, splits, _ = self._graph_splits(forward_batch)
@@ -216,6 +227,7 @@ class TritonAttnBackend(AttentionBackend):
             mid_lse=md.mid_lse,
             k_scale=pool.k_scale[lid],
             v_scale=pool.v_scale[lid],
+            semaphores=md.semaphores,
         )
         return out
 

@@ -12,6 +12,8 @@ linear layers."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,8 +22,6 @@ from labkit.distributed.parallel_state import TPGroup, split_evenly
 from labkit.layers.activation import SiluAndMul
 from labkit.layers.fused import triton_kernels, use_triton_kernels
 from labkit.layers.rmsnorm import RMSNorm
-
-GEMV_MAX_K_PER_N = 4  # in/out features beyond which the GEMV kernel lost to cuBLAS (see matmul)
 
 
 class LinearBase(nn.Module):
@@ -34,22 +34,27 @@ class LinearBase(nn.Module):
         self.full_shape = full_shape
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
+        self._gemv_split: Any = None  # labkit.kernels.gemv.Split with this layer's semaphores
+
+    def gemv_split(self, x: torch.Tensor) -> Any:
+        """This layer's split-K state for the GEMV kernel (labkit.kernels.gemv.Split): semaphores
+        of its own, made zero on first use on x's device and left zero by every launch."""
+        split = self._gemv_split
+        if split is None or split.semaphores.device != x.device:
+            kernels = triton_kernels()
+            count = kernels.gemv_semaphore_count(self.weight.shape[0])
+            split = kernels.GemvSplit(semaphores=torch.zeros(count, dtype=torch.int32, device=x.device))
+            self._gemv_split = split
+        return split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
     def gemv_takes(self, x: torch.Tensor, width: int) -> bool:
         """Whether x goes through labkit's GEMV kernel: a single 16-bit row (of `width` features) on
-        CUDA, where the kernel beat cuBLAS on an H200 (every batch-1 decode projection but tall-K
-        ones such as Qwen2.5's down_proj, 4864 -> 896, where cuBLAS's split-K wins)."""
-        out_features, in_features = self.weight.shape
-        return (
-            x.numel() == width
-            and x.dtype != torch.float32
-            and self.weight.stride(1) == 1
-            and in_features <= GEMV_MAX_K_PER_N * out_features
-            and use_triton_kernels(x)
-        )
+        CUDA, where the kernel beat cuBLAS on an H200 on every batch-1 decode projection measured
+        (docs/benchmarks.md; tall ones such as Qwen2.5's down_proj, 4864 -> 896, split along K)."""
+        return x.numel() == width and x.dtype != torch.float32 and self.weight.stride(1) == 1 and use_triton_kernels(x)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, act: SiluAndMul | None = None) -> torch.Tensor:
         """act(x) W^T (+ bias) (act: the gated MLP's activation, or none): through the GEMV kernel
@@ -57,10 +62,10 @@ class LinearBase(nn.Module):
         in_features = self.weight.shape[1]
         if act is not None:
             if self.gemv_takes(x, 2 * in_features):
-                return triton_kernels().gemv_silu_and_mul(x, self.weight, bias)
+                return triton_kernels().gemv_silu_and_mul(x, self.weight, bias, self.gemv_split(x))
             x = act(x)
         if self.gemv_takes(x, in_features):
-            return triton_kernels().gemv(x, self.weight, bias)
+            return triton_kernels().gemv(x, self.weight, bias, self.gemv_split(x))
         return F.linear(x, self.weight, bias)
 
     def load(self, param: nn.Parameter, full: torch.Tensor, shard_id: int | None = None) -> None:
@@ -112,7 +117,8 @@ class ColumnParallelLinear(LinearBase):
         residual: a decoder layer's norm and the projection after it. Where the GEMV kernel takes
         the row, one kernel (the norm in its prologue) instead of two."""
         if self.gemv_takes(x, self.weight.shape[1]):
-            return triton_kernels().gemv_rmsnorm(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+            kernels = triton_kernels()
+            return kernels.gemv_rmsnorm(x, residual, norm.weight, norm.eps, self.weight, self.bias, self.gemv_split(x))
         normed, residual = norm.add_and_norm(x, residual)
         return self(normed), residual
 

@@ -190,7 +190,7 @@ def draw_split_kv(
     ax_w.set_xlim(0, 1.15)
     ax_w.set_xlabel("weight in the merge: sumexp·exp(m - max m), normalized", fontsize=8)
     ax_w.tick_params(labelsize=7)
-    ax_w.set_title("Stage 2: how much each split counts", loc="left", fontsize=9, weight="bold")
+    ax_w.set_title("The merge: how much each split counts", loc="left", fontsize=9, weight="bold")
 
     ax_o = fig.add_subplot(grid[1, 1])
     x = np.arange(o.shape[1])

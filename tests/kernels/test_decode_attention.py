@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from labkit.kernels import decode_attention, decode_kv_splits
+from labkit.kernels.decode import decode_semaphore_count
 from labkit.kernels.reference import reference_decode_attention
 
 CUDA = torch.cuda.is_available()
@@ -52,9 +53,33 @@ def test_decode_long_context_with_default_split_heuristic(page_size, dtype, devi
     "shape", [(8, 2, 128, 16), (4, 4, 64, 1)], ids=lambda s: f"h{s[0]}-kv{s[1]}-d{s[2]}-page{s[3]}"
 )
 def test_decode_single_split_bound_writes_output_in_stage_one(shape, dtype, device, gen, paged_kv, check_close):
-    """max_kv_splits=1 (what large batches get): stage 1 writes the output, no merge step runs."""
+    """max_kv_splits=1 (what large batches get): every program writes its output, no merge runs."""
     seq_lens = [1, 37, 130] if not CUDA else [1, 37, 130, 4097, 16] + [i * 37 % 300 + 1 for i in range(251)]
     out, ref = _run(shape, seq_lens, [1] * len(seq_lens), 1, dtype, device, gen, paged_kv)
+    check_close(out, ref, dtype)
+
+
+def test_decode_merge_leaves_its_semaphores_zero_and_is_repeatable(device, gen, paged_kv):
+    """The last split to arrive merges, in split order, and resets its semaphore: the same
+    semaphores serve launch after launch (as in a CUDA graph) with bit-identical outputs."""
+    seq_lens, splits = [300, 90, 7], torch.tensor([4, 2, 1], dtype=torch.int32, device=device)
+    k_buf, v_buf, req_to_token, rows = paged_kv(seq_lens, 2, 64, 16, torch.float32, gen)
+    q = torch.randn(3, 8, 64, generator=gen, device=device)
+    seq = torch.tensor(seq_lens, device=device)
+    semaphores = torch.zeros(decode_semaphore_count(3, 8, 2), dtype=torch.int32, device=device)
+    outs = [
+        decode_attention(q, k_buf, v_buf, req_to_token, rows, seq, 0.125, None, splits, 4, semaphores=semaphores)
+        for _ in range(3)
+    ]
+    assert not semaphores.any()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(outs[0], reference_decode_attention(q, k_buf, v_buf, req_to_token, rows, seq, 0.125))
+
+
+def test_decode_merges_a_large_group_in_chunks_of_heads(dtype, device, gen, paged_kv, check_close):
+    """8 query heads per KV head, 16 splits of 128 features: the merge loads 4 heads' partials at a
+    time (MERGE_TILE), in two rounds."""
+    out, ref = _run((16, 2, 128, 16), [200, 40], [16, 3], 16, dtype, device, gen, paged_kv)
     check_close(out, ref, dtype)
 
 

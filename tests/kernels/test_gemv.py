@@ -1,6 +1,8 @@
 """gemv (one-row linear layers) against F.linear on fresh random inputs, alone and with the norm or
-the activation before it fused in (against their references, then F.linear), and the linear layers'
-choice of it: a single 16-bit row on CUDA where in_features <= 4 x out_features, F.linear otherwise."""
+the activation before it fused in (against their references, then F.linear), with K in one piece
+and split over programs (the semaphores left zero after each launch, repeated launches
+bit-identical), and the linear layers' choice of it: a single 16-bit row on CUDA, F.linear
+otherwise."""
 
 from __future__ import annotations
 
@@ -10,34 +12,51 @@ import torch.nn.functional as F
 
 import labkit.kernels
 from labkit.distributed.parallel_state import TPGroup
-from labkit.kernels import gemv, gemv_rmsnorm, gemv_silu_and_mul
+from labkit.kernels import GemvSplit, gemv, gemv_rmsnorm, gemv_silu_and_mul
+from labkit.kernels.gemv import gemv_split_k, semaphore_count
 from labkit.kernels.reference import reference_fused_add_rmsnorm, reference_rmsnorm, reference_silu_and_mul
 from labkit.layers.linear import ColumnParallelLinear
 
 CUDA = torch.cuda.is_available()
 
 
-@pytest.mark.parametrize("n, k", [(64, 48), (1000, 777), (8192, 96), (24, 1536)], ids=str)
+SPLITS = [None, 4]  # the device's choice (one piece but for the (24, 1536) weight), four pieces
+
+
+def split_of(split_k: int | None, n: int, device: torch.device) -> GemvSplit:
+    """A split with semaphores of the caller's (as a linear layer keeps them): the tests check
+    they are left zero."""
+    return GemvSplit(split_k, torch.zeros(semaphore_count(n), dtype=torch.int32, device=device))
+
+
+SHAPES = [(64, 48), (1000, 777), (24, 1536)]
+
+
+@pytest.mark.parametrize("n, k, split_k", [(n, k, s) for n, k in SHAPES for s in SPLITS] + [(8192, 96, None)], ids=str)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("lead", [(1,), (1, 1)], ids=str)
-def test_gemv_matches_linear(n, k, bias, lead, dtype, device, gen, check_close):
+def test_gemv_matches_linear(n, k, bias, lead, split_k, dtype, device, gen, check_close):
     x = torch.randn(*lead, k, generator=gen, device=device).to(dtype)
     w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype)
     b = torch.randn(n, generator=gen, device=device).to(dtype) if bias else None
-    out = gemv(x, w, b)
+    split = split_of(split_k, n, device)
+    out = gemv(x, w, b, split)
     assert out.shape == (*lead, n) and out.dtype == dtype
     check_close(out, F.linear(x.float(), w.float(), None if b is None else b.float()), dtype)
+    assert not split.semaphores.any()
 
 
-@pytest.mark.parametrize("n, k", [(64, 48), (1000, 777), (24, 1536)], ids=str)
+@pytest.mark.parametrize("n, k", SHAPES, ids=str)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["first_layer", "residual"])
-def test_gemv_rmsnorm_is_the_norm_then_the_projection(n, k, with_residual, dtype, device, gen, check_close):
+@pytest.mark.parametrize("split_k", SPLITS, ids=str)
+def test_gemv_rmsnorm_is_the_norm_then_the_projection(n, k, with_residual, split_k, dtype, device, gen, check_close):
     x = (3 * torch.randn(1, k, generator=gen, device=device)).to(dtype)
     r = torch.randn(1, k, generator=gen, device=device).to(dtype) if with_residual else None
     nw = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).to(dtype)
     w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype)
     b = torch.randn(n, generator=gen, device=device).to(dtype)
-    out, res = gemv_rmsnorm(x, r, nw, 1e-6, w, b)
+    split = split_of(split_k, n, device)
+    out, res = gemv_rmsnorm(x, r, nw, 1e-6, w, b, split)
     if r is None:
         normed, ref_res = reference_rmsnorm(x, nw, 1e-6), x
     else:
@@ -47,15 +66,49 @@ def test_gemv_rmsnorm_is_the_norm_then_the_projection(n, k, with_residual, dtype
     check_close(out, F.linear(normed.float(), w.float(), b.float()), dtype)
     if r is not None:
         assert res.data_ptr() not in (x.data_ptr(), r.data_ptr())
+    assert not split.semaphores.any()
 
 
-@pytest.mark.parametrize("n, k", [(64, 48), (1000, 777), (24, 1536)], ids=str)
-def test_gemv_silu_and_mul_is_the_activation_then_the_projection(n, k, dtype, device, gen, check_close):
+@pytest.mark.parametrize("n, k", SHAPES, ids=str)
+@pytest.mark.parametrize("split_k", SPLITS, ids=str)
+def test_gemv_silu_and_mul_is_the_activation_then_the_projection(n, k, split_k, dtype, device, gen, check_close):
     x = (2 * torch.randn(1, 1, 2 * k, generator=gen, device=device)).to(dtype)
     w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype)
-    out = gemv_silu_and_mul(x, w)
+    split = split_of(split_k, n, device)
+    out = gemv_silu_and_mul(x, w, None, split)
     assert out.shape == (1, 1, n) and out.dtype == dtype
     check_close(out, F.linear(reference_silu_and_mul(x).float(), w.float()), dtype)
+    assert not split.semaphores.any()
+
+
+@pytest.mark.parametrize("split_k", [2, 8])
+def test_split_k_sums_the_pieces_in_a_fixed_order(split_k, device, gen):
+    """The last split to arrive adds every split's partial in split order: repeated launches give
+    bit-identical results, and the same semaphores serve launch after launch."""
+    n, k = 96, 2048
+    x = torch.randn(1, k, generator=gen, device=device)
+    w = torch.randn(n, k, generator=gen, device=device)
+    split = split_of(split_k, n, device)
+    first = gemv(x, w, None, split)
+    for _ in range(3):
+        assert torch.equal(gemv(x, w, None, split), first)
+    torch.testing.assert_close(first, F.linear(x, w), atol=1e-3, rtol=1e-4)
+
+
+def test_gemv_split_k_cuts_tall_weights_only():
+    sms = 132
+    assert gemv_split_k(4096, 1024, sms) == 1  # qkv_proj: 512 tiles fill the GPU
+    assert gemv_split_k(1024, 3072, sms) > 1  # down_proj: 128 tiles would leave half of it idle
+    assert gemv_split_k(1024, 256, sms) == 1  # too short to cut
+    assert gemv_split_k(8, 1 << 20, sms) <= 16
+
+
+def test_gemv_refuses_a_bad_split(device):
+    x, w = torch.zeros(1, 64, device=device), torch.zeros(8, 64, device=device)
+    with pytest.raises(ValueError, match="power of two"):
+        gemv(x, w, None, GemvSplit(3))
+    with pytest.raises(ValueError, match="semaphores"):
+        gemv(x, w, None, GemvSplit(2, torch.zeros(0, dtype=torch.int32, device=device)))
 
 
 def test_gemv_refuses_more_than_one_row(device):
@@ -73,7 +126,7 @@ def test_gemv_refuses_more_than_one_row(device):
     "rows, in_features, out_features, x_dtype, kernel",
     [
         (1, 1024, 4096, torch.bfloat16, True),
-        (1, 4864, 896, torch.bfloat16, False),  # tall K: cuBLAS's split-K wins
+        (1, 4864, 896, torch.bfloat16, True),  # tall: split along K
         (2, 1024, 4096, torch.bfloat16, False),
         (1, 1024, 4096, torch.float32, False),
     ],
@@ -84,6 +137,7 @@ def test_linear_takes_gemv_for_one_short_16_bit_row(monkeypatch, rows, in_featur
     torch.nn.init.normal_(layer.bias)
     calls = []
     monkeypatch.setattr(labkit.kernels, "gemv", lambda *a: calls.append(1) or gemv(*a))
+
     x = torch.randn(rows, in_features, device="cuda", dtype=x_dtype)
     out = layer(x)
     assert bool(calls) == kernel

@@ -1,0 +1,27 @@
+"""When kernels launch programmatically dependent on the kernel ahead (labkit.kernels.pdl): decode-
+sized launches on Hopper-class CUDA devices only. That PDL launches compute the right thing, in
+and out of CUDA graphs, is what every kernel test and tests/test_cuda_graph.py check on such a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit.kernels.pdl import PDL_MAX_TOKENS, pdl_options
+
+CUDA = torch.cuda.is_available()
+
+
+def test_pdl_is_off_without_cuda():
+    assert pdl_options(torch.device("cpu"), 1) == {"PDL": False}
+
+
+def test_pdl_is_off_for_prefill_sized_launches():
+    assert pdl_options(torch.device("cuda"), PDL_MAX_TOKENS + 1) == {"PDL": False}
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_pdl_is_on_for_decode_launches_on_hopper():
+    on = torch.cuda.get_device_capability()[0] >= 9
+    expected = {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    assert pdl_options(torch.device("cuda"), PDL_MAX_TOKENS) == expected
