@@ -7,9 +7,10 @@ the whole group. A program streams its range in BLOCK_N-token blocks (slots look
 req_to_token, so any page size works) with an online softmax, and writes its partial output
 (normalized) and log-sum-exp. The last split of a (request, KV head) to finish, which a semaphore
 counts, merges them: out = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max lse), every
-split's partial loaded at once and summed in a fixed order. A second kernel for the merge would cost a launch per layer, about
-4 us of a batch-1 step's few hundred (docs/benchmarks.md). When the bound on splits is 1 (large
-batches fill the GPU without splitting), each program writes the output itself.
+split's partial loaded at once and summed in a fixed order. A second kernel for the merge would
+cost a launch per layer, about 4 us of a batch-1 step's few hundred (docs/benchmarks.md). When the
+bound on splits is 1 (large batches fill the GPU without splitting), each program writes the output
+itself.
 
 A float8 pool (--kv-cache-dtype fp8_*) is loaded as float8 and dequantized in the kernel: the K
 scale is folded into the score scale (q.(s k) = s (q.k)), the V scale multiplies each split's output
