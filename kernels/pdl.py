@@ -9,11 +9,16 @@ kernel writes) before it waits. The contract of a kernel launched with pdl_optio
 - nothing written by an earlier kernel is read, and nothing is written, before `pdl_wait`; the wait
   returns once the kernel ahead has finished and its writes are visible, and that kernel waited for
   its own predecessor, so every earlier kernel has finished too;
-- after the wait it lets the next kernel launch (its programs then wait in turn)."""
+- after the wait it lets the next kernel launch (its programs then wait in turn).
+
+Under PDL a kernel's time in a profile includes its wait for the kernel ahead; LABKIT_DISABLE_PDL=1
+in the environment (read at import) launches every kernel plainly, for per-kernel times
+(`LABKIT_DISABLE_PDL=1 python -m labkit.bench.profile_step ...`)."""
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -21,6 +26,7 @@ import triton
 import triton.language as tl
 
 PDL_MAX_TOKENS = 256  # the largest decode batch captured in a CUDA graph by default
+ENABLED = os.environ.get("LABKIT_DISABLE_PDL", "0") != "1"
 
 
 @functools.cache
@@ -35,7 +41,7 @@ def pdl_options(device: torch.device, tokens: int) -> dict[str, Any]:
     thousands of programs that, launched early, wait on multiprocessors the kernel ahead still
     needs: with PDL on every launch, the prefill steps of the 256-sequence offline run took 25.8 ms
     of GPU time each against 16.7 with it off (H200, docs/benchmarks.md)."""
-    if tokens > PDL_MAX_TOKENS or device.type != "cuda":
+    if not ENABLED or tokens > PDL_MAX_TOKENS or device.type != "cuda":
         return {"PDL": False}
     if _capable(device.index if device.index is not None else torch.cuda.current_device()):
         return {"PDL": True, "launch_pdl": True}
