@@ -312,7 +312,8 @@ def decode_attention(
     capped at the given max_kv_splits). mid_o [B, H, >= max_kv_splits, D] and mid_lse
     [B, H, >= max_kv_splits] float32 are the stage-1 workspace (allocated when not given), and
     semaphores >= decode_semaphore_count(B, H, H_kv) int32 zeros, left zero, count the splits that
-    are done (allocated when not given; launches sharing them must not run concurrently).
+    are done (allocated when not given and max_kv_splits > 1; launches sharing them must not run
+    concurrently).
     float32 inputs use full-precision (IEEE) matrix products; 16-bit ones accumulate in float32.
     k_scale, v_scale: the layer's scales of a float8 pool (ignored for other buffers, as store_kv)."""
     batch, num_heads, head_dim = q.shape
@@ -331,18 +332,17 @@ def decode_attention(
         mid_o = torch.empty(batch, num_heads, max_kv_splits, head_dim, dtype=torch.float32, device=q.device)
     if mid_lse is None:
         mid_lse = torch.empty(batch, num_heads, max_kv_splits, dtype=torch.float32, device=q.device)
-    if semaphores is None:
-        semaphores = torch.zeros(
-            decode_semaphore_count(batch, num_heads, num_kv_heads), dtype=torch.int32, device=q.device
-        )
-    assert semaphores.numel() >= decode_semaphore_count(batch, num_heads, num_kv_heads)
+    one_split = max_kv_splits == 1
+    count = decode_semaphore_count(batch, num_heads, num_kv_heads)
+    if semaphores is None and not one_split:  # one split: no merge, nothing to count
+        semaphores = torch.zeros(count, dtype=torch.int32, device=q.device)
+    assert one_split or (semaphores is not None and semaphores.numel() >= count)
     assert mid_o.stride(3) == 1 and mid_lse.stride(2) == 1 and out.stride(2) == 1
 
     group = num_heads // num_kv_heads
     block_h = head_block(group)
     head_blocks = triton.cdiv(group, block_h)
     block_d = triton.next_power_of_2(head_dim)
-    one_split = max_kv_splits == 1
     merge_s = triton.next_power_of_2(max_kv_splits)
     merge_h = min(block_h, triton.next_power_of_2(group), max(1, MERGE_TILE // (merge_s * block_d)))
     if not is_fp8(k_buffer.dtype):
@@ -357,7 +357,7 @@ def decode_attention(
         num_kv_splits,
         mid_o,
         mid_lse,
-        semaphores,
+        semaphores if semaphores is not None else num_kv_splits,  # never touched with one split
         out,
         sm_scale * LOG2E * k_scale,
         v_scale,

@@ -53,7 +53,7 @@ class _DecodeMetadata:
     max_kv_splits: int  # their bound (the grid's split axis)
     mid_o: torch.Tensor  # [bs, H, max_kv_splits, D] float32 workspace
     mid_lse: torch.Tensor  # [bs, H, max_kv_splits] float32 workspace
-    semaphores: torch.Tensor  # int32 zeros, left zero by every layer (decode_semaphore_count)
+    semaphores: torch.Tensor | None  # int32 zeros left zero by every layer; None: one split, no merge
 
 
 @dataclass
@@ -114,7 +114,7 @@ class TritonAttnBackend(AttentionBackend):
         splits, bound = decode_kv_splits(fb.seq_lens, c.num_heads, c.num_kv_heads, self.num_sms, self.max_kv_splits)
         mid_o = torch.empty(bs, c.num_heads, bound, c.head_dim, dtype=torch.float32, device=self.device)
         mid_lse = torch.empty(bs, c.num_heads, bound, dtype=torch.float32, device=self.device)
-        return _DecodeMetadata(splits, bound, mid_o, mid_lse, self._semaphores(bs))
+        return _DecodeMetadata(splits, bound, mid_o, mid_lse, self._semaphores(bs) if bound > 1 else None)
 
     def _semaphores(self, bs: int) -> torch.Tensor:
         count = decode_semaphore_count(bs, self.config.num_heads, self.config.num_kv_heads)
