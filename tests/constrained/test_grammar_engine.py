@@ -257,7 +257,7 @@ def test_grammars_need_a_tokenizer_and_a_backend(tiny_engine_kwargs):
     off = Engine(**tiny_engine_kwargs, grammar_backend="none")
     with pytest.raises(ValueError, match="structured output is off"):
         off.generate("x", {"regex": "a"})
-    assert off.generate("x", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+    assert off.generate("x", {"max_new_tokens": 2, "ignore_eos": True})["meta_info"]["completion_tokens"] == 2
     bare = Engine(model_path="tiny-llama", load_format="dummy", max_total_tokens=1024)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         bare.generate(input_ids=[1, 2], sampling_params={"regex": "a"})

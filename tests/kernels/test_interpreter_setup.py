@@ -27,7 +27,8 @@ def test_a_plain_cpu_process_runs_the_triton_backend():
     code = (
         "from labkit import Engine\n"
         "e = Engine(model_path='tiny-llama', load_format='dummy', attention_backend='triton')\n"
-        "print(e.generate(input_ids=[1, 2, 3, 4], sampling_params={'max_new_tokens': 2})['output_ids'])"
+        "params = {'max_new_tokens': 2, 'ignore_eos': True}\n"
+        "print(e.generate(input_ids=[1, 2, 3, 4], sampling_params=params)['output_ids'])"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
