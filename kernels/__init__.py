@@ -21,6 +21,7 @@ from labkit.kernels.fused_moe import fused_moe
 from labkit.kernels.gemv import Split as GemvSplit
 from labkit.kernels.gemv import gemv, gemv_rmsnorm, gemv_silu_and_mul
 from labkit.kernels.gemv import semaphore_count as gemv_semaphore_count
+from labkit.kernels.gemv_qkv import QKVHeads, fuses_qkv, gemv_qkv_rope_store
 from labkit.kernels.kv_cache import store_kv
 from labkit.kernels.moe_align import moe_align_block_size
 from labkit.kernels.norm import fused_add_rmsnorm, rmsnorm
@@ -28,13 +29,16 @@ from labkit.kernels.rotary import rotary_embedding
 
 __all__ = [
     "ExtendPlan",
+    "QKVHeads",
     "decode_attention",
     "decode_kv_splits",
     "extend_attention",
     "fused_add_rmsnorm",
     "fused_moe",
+    "fuses_qkv",
     "GemvSplit",
     "gemv",
+    "gemv_qkv_rope_store",
     "gemv_rmsnorm",
     "gemv_semaphore_count",
     "gemv_silu_and_mul",

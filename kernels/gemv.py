@@ -27,11 +27,14 @@ statistic before it can scale, which would mean a pass over the row before the f
 instead the products take h * norm_weight in float32 and the sum is scaled by 1 / rms(h) at the end
 (one pass). That skips the two roundings to 16 bits of labkit.kernels.rmsnorm (normalized, then
 scaled): the fused result is the more exact one, a few 16-bit ulps from the unfused path.
+The kernel's body is gemv_sums (a tile's sums) and gemv_outputs (its finished outputs), which
+kernels/gemv_qkv.py builds its own epilogue on (qkv_proj with the rotary and the KV store).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -47,11 +50,9 @@ PLAIN, RMSNORM, SILU_AND_MUL = 0, 1, 2  # the prologue
 
 
 @triton.jit
-def _gemv_kernel(
+def gemv_sums(
     X,
     W,
-    B,
-    Y,
     R,
     NW,
     RES_OUT,
@@ -62,8 +63,6 @@ def _gemv_kernel(
     K,
     k_per_split,
     stride_wn,
-    eps,
-    HAS_BIAS: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -71,6 +70,9 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """This program's tile: (float32 sums of its BLOCK_N outputs, the norm's sum of squares, whether
+    this program holds the whole tile's sums and must finish it: always with one split, else only
+    the tile's last split to arrive)."""
     pid, split = tl.program_id(0), tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -107,13 +109,15 @@ def _gemv_kernel(
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         w = w_next
     sq_sum = tl.sum(sq, 0)
+    done = True
     if SPLIT_K > 1:
         # Serial split-K: each split leaves its partial sums; the tile's last split to arrive (the
         # semaphore counts them) adds them in split order, so the result does not depend on timing.
         tl.store(Partial + split * N + offs_n, acc, mask=n_mask)
         tl.store(Sq + pid * SPLIT_K + split, sq_sum)
         tl.debug_barrier()  # every thread's partials are written before the count goes up
-        if tl.atomic_add(Semaphores + pid, 1) == SPLIT_K - 1:  # acq_rel: the others' partials are seen
+        done = tl.atomic_add(Semaphores + pid, 1) == SPLIT_K - 1  # acq_rel: the others' partials are seen
+        if done:
             splits = tl.arange(0, SPLIT_K)
             parts = tl.load(
                 Partial + splits[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0.0, cache_modifier=".cg"
@@ -121,18 +125,69 @@ def _gemv_kernel(
             acc = tl.sum(parts, 0)
             sq_sum = tl.sum(tl.load(Sq + pid * SPLIT_K + splits, cache_modifier=".cg"), 0)
             tl.store(Semaphores + pid, 0)  # left at zero for the next launch
-            _gemv_epilogue(acc, sq_sum, B, Y, offs_n, n_mask, K, eps, HAS_BIAS, PROLOGUE)
-    else:
-        _gemv_epilogue(acc, sq_sum, B, Y, offs_n, n_mask, K, eps, HAS_BIAS, PROLOGUE)
+    return acc, sq_sum, done
 
 
 @triton.jit
-def _gemv_epilogue(acc, sq_sum, B, Y, offs_n, n_mask, K, eps, HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr):
+def gemv_outputs(acc, sq_sum, B, offs_n, n_mask, K, eps, HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr):
+    """A finished tile's outputs in float32, before their one rounding to the output dtype."""
     if PROLOGUE == 1:
         acc *= tl.rsqrt(sq_sum / K + eps)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=n_mask)
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(
+    X,
+    W,
+    B,
+    Y,
+    R,
+    NW,
+    RES_OUT,
+    Partial,
+    Sq,
+    Semaphores,
+    N,
+    K,
+    k_per_split,
+    stride_wn,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    acc, sq_sum, done = gemv_sums(
+        X,
+        W,
+        R,
+        NW,
+        RES_OUT,
+        Partial,
+        Sq,
+        Semaphores,
+        N,
+        K,
+        k_per_split,
+        stride_wn,
+        PROLOGUE,
+        HAS_RESIDUAL,
+        SPLIT_K,
+        BLOCK_N,
+        BLOCK_K,
+        PDL,
+    )
+    if done:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        y = gemv_outputs(acc, sq_sum, B, offs_n, n_mask, K, eps, HAS_BIAS, PROLOGUE)
+        tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=n_mask)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, width: int) -> None:
@@ -183,7 +238,7 @@ def gemv_split_k(n: int, k: int, sms: int) -> int:
     return split
 
 
-def _launch(
+def launch_args(
     row: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -194,7 +249,9 @@ def _launch(
     norm_weight: torch.Tensor | None = None,
     res_out: torch.Tensor | None = None,
     eps: float = 0.0,
-) -> None:
+) -> tuple[tuple[int, int], list[Any], dict[str, Any]]:
+    """The grid, arguments and keyword arguments (constexprs, launch options) of a GEMV launch:
+    _gemv_kernel's, which a kernel built on gemv_sums starts its own with."""
     n, k = weight.shape
     split_k = split.split_k or gemv_split_k(n, k, num_sms(row.device))
     if split_k & (split_k - 1) or not 1 <= split_k <= MAX_SPLIT_K:
@@ -211,7 +268,7 @@ def _launch(
             semaphores = torch.zeros(tiles, dtype=torch.int32, device=row.device)
         elif semaphores.numel() < tiles or semaphores.dtype != torch.int32:
             raise ValueError(f"split-K needs {tiles} int32 semaphores, got {semaphores.numel()} {semaphores.dtype}")
-    _gemv_kernel[(tiles, split_k)](
+    args = [
         row,
         weight,
         bias if bias is not None else row,  # never read without HAS_BIAS
@@ -227,6 +284,8 @@ def _launch(
         k_per_split,
         weight.stride(0),
         eps,
+    ]
+    options = dict(
         HAS_BIAS=bias is not None,
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
@@ -236,6 +295,12 @@ def _launch(
         num_warps=shape.num_warps,
         **pdl_options(row.device, 1),
     )
+    return (tiles, split_k), args, options
+
+
+def _launch(row: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, *rest: Any) -> None:
+    grid, args, options = launch_args(row, weight, bias, out, *rest)
+    _gemv_kernel[grid](*args, **options)
 
 
 @dataclass(frozen=True)
@@ -262,6 +327,24 @@ def gemv(
     return out
 
 
+def normed_row(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """gemv_rmsnorm's inputs checked: (x's row, the residual's row or None, a new row for the new
+    residual or None)."""
+    k = weight.shape[1]
+    _check(x, weight, k)
+    if norm_weight.shape != (k,):
+        raise ValueError(f"norm weight of shape {tuple(norm_weight.shape)} for {k} features")
+    row = x.reshape(k).contiguous()
+    if residual is None:
+        return row, None, None
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError("the residual must have x's shape and dtype")
+    # Not in place: other programs still read the residual.
+    return row, residual.reshape(k).contiguous(), torch.empty_like(row)
+
+
 def gemv_rmsnorm(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -274,21 +357,10 @@ def gemv_rmsnorm(
     """(gemv(rmsnorm(h, norm_weight, eps), weight, bias), h) with h = x + residual (residual None:
     h = x, returned as is): labkit.kernels.fused_add_rmsnorm (or rmsnorm) then gemv, in one kernel.
     x and residual [..., K] hold one row of one dtype; the new residual is a new tensor."""
-    n, k = weight.shape
-    _check(x, weight, k)
-    if norm_weight.shape != (k,):
-        raise ValueError(f"norm weight of shape {tuple(norm_weight.shape)} for {k} features")
-    row = x.reshape(k).contiguous()
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    if residual is None:
-        _launch(row, weight, bias, out, split, RMSNORM, None, norm_weight.contiguous(), None, eps)
-        return out, x
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError("the residual must have x's shape and dtype")
-    res_out = torch.empty_like(row)  # not in place: other programs still read the residual
-    res = residual.reshape(k).contiguous()
+    row, res, res_out = normed_row(x, residual, norm_weight, weight)
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
     _launch(row, weight, bias, out, split, RMSNORM, res, norm_weight.contiguous(), res_out, eps)
-    return out, res_out.view(x.shape)
+    return out, x if res_out is None else res_out.view(x.shape)
 
 
 def gemv_silu_and_mul(

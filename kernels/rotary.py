@@ -13,7 +13,7 @@ from labkit.kernels.pdl import pdl_options, pdl_wait
 
 
 @triton.jit
-def _rope_heads(
+def rope_heads(
     X,
     Xo,
     W,
@@ -30,13 +30,19 @@ def _rope_heads(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    FROM_L2: tl.constexpr,  # X was written by other programs of this launch: load past L1 (".cg")
 ):
+    """Rope (after the per-head norm with HAS_NORM) on NUM_HEADS heads of token t, X to Xo."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HALF)[None, :]
     x_ptr = X + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
-    x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    if FROM_L2:
+        x1 = tl.load(x_ptr, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        x2 = tl.load(x_ptr + HALF, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:  # as kernels.norm: normalize in float32, round to the dtype, scale, round again
         rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
         w1 = tl.load(W + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
@@ -84,7 +90,7 @@ def _rope_kernel(
     cos = tl.load(Cos_sin + pos * stride_cs + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(Cos_sin + pos * stride_cs + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
     if tl.program_id(1) == 0:  # q and k in two programs: at a few tokens, latency is the cost
-        _rope_heads(
+        rope_heads(
             Q,
             Q_out,
             Q_w,
@@ -101,9 +107,10 @@ def _rope_kernel(
             BLOCK_HQ,
             BLOCK_HALF,
             HAS_NORM,
+            False,
         )
     else:
-        _rope_heads(
+        rope_heads(
             K,
             K_out,
             K_w,
@@ -120,6 +127,7 @@ def _rope_kernel(
             BLOCK_HK,
             BLOCK_HALF,
             HAS_NORM,
+            False,
         )
 
 

@@ -54,12 +54,16 @@ class AttentionBackend(ABC):
     - Results must not depend on how requests are grouped into a batch beyond floating-point rounding,
       and must work for any page_size (slots come from req_to_token; no contiguity is assumed).
     - DECODE has exactly one token per request; EXTEND and MIXED any number >= 1 per request.
+    - With `takes_stored_kv`, `forward(q, None, None, layer, fb)` of a DECODE batch is attention where
+      the layer has already written the new tokens' K and V into the pool at fb.out_cache_loc (fused
+      into its qkv projection: labkit.kernels.gemv_qkv_rope_store); `forward_decode_stored` runs it.
     - With `supports_fp8_kv_cache`, a float8 pool (--kv-cache-dtype fp8_*) works too: K, V are
       stored through the pool's quantization (divided by its per-layer k_scale / v_scale, saturated)
       and read back dequantized (times the scale). Without it the ModelRunner refuses such a pool.
     """
 
     supports_fp8_kv_cache: ClassVar[bool] = False
+    takes_stored_kv: ClassVar[bool] = False
 
     def __init__(self, config: AttentionBackendConfig) -> None:
         self.config = config
@@ -89,6 +93,13 @@ class AttentionBackend(ABC):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor: ...
+
+    def forward_decode_stored(
+        self, q: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """forward_decode with the new tokens' K and V already in the pool (backends that set
+        takes_stored_kv)."""
+        raise NotImplementedError(f"{type(self).__name__} reads the new tokens' K and V from k and v")
 
     # ---- CUDA graphs (decode only). A backend that cannot be captured keeps these defaults, and the
     # ModelRunner then runs every decode eagerly. The sequence the CudaGraphRunner follows:
@@ -154,12 +165,16 @@ class AttentionBackend(ABC):
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: AttentionLayerSpec,
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
+        if k is None or v is None:
+            if not (self.takes_stored_kv and forward_batch.forward_mode.is_decode()):
+                raise ValueError(f"{type(self).__name__} needs the new tokens' K and V in this forward")
+            return self.forward_decode_stored(q, layer, forward_batch)
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)

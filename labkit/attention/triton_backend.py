@@ -3,9 +3,10 @@
 A thin adapter: `init_forward_metadata` prepares, once per forward, the index tensors every layer
 reuses (split counts and the stage-1 workspace for decode; per-request prefix/extend lengths, row
 offsets and the tile plan for extend and mixed batches); each layer then stores its new K/V with
-`store_kv` and runs `decode_attention` (DECODE) or `extend_attention` (EXTEND, MIXED: one-token
-requests are extends of length 1). Without CUDA the kernels run in Triton's interpreter (slow).
-A float8 pool's per-layer scales go to the kernels as arguments (they quantize and dequantize).
+`store_kv` (unless the layer has: takes_stored_kv) and runs `decode_attention` (DECODE) or
+`extend_attention` (EXTEND, MIXED: one-token requests are extends of length 1). Without CUDA the
+kernels run in Triton's interpreter (slow). A float8 pool's per-layer scales go to the kernels as
+arguments (they quantize and dequantize).
 
 Decode can run inside a CUDA graph (see the hooks in AttentionBackend): the split counts, the
 stage-1 workspace and the semaphores of the splits' merge then live in buffers allocated once for
@@ -81,6 +82,7 @@ class TritonAttnBackend(AttentionBackend):
     """Triton kernels on CUDA (interpreter elsewhere). See AttentionBackend for the contract."""
 
     supports_fp8_kv_cache = True
+    takes_stored_kv = True  # a batch-1 decode layer's qkv kernel may store K/V itself (gemv_qkv_rope_store)
 
     def __init__(self, config: AttentionBackendConfig) -> None:
         super().__init__(config)
@@ -204,18 +206,25 @@ class TritonAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
+        if not save_kv_cache:  # the new tokens are not in the pool: read them from k, v
+            assert self.decode is not None, "init_forward_metadata was not called for this decode batch"
+            return self._extend(q, k, v, layer, forward_batch, self._decode_as_extend(forward_batch))
+        pool, lid = forward_batch.token_to_kv_pool, layer.layer_id
+        k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
+        store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v, pool.k_scale[lid], pool.v_scale[lid])
+        return self.forward_decode_stored(q, layer, forward_batch)
+
+    def forward_decode_stored(
+        self, q: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         md = self.decode
         assert md is not None, "init_forward_metadata was not called for this decode batch"
-        if not save_kv_cache:  # the new tokens are not in the pool: read them from k, v
-            return self._extend(q, k, v, layer, forward_batch, self._decode_as_extend(forward_batch))
         fb, pool, lid = forward_batch, forward_batch.token_to_kv_pool, layer.layer_id
-        k_buf, v_buf = pool.get_key_buffer(lid), pool.get_value_buffer(lid)
-        store_kv(k_buf, v_buf, fb.out_cache_loc, k, v, pool.k_scale[lid], pool.v_scale[lid])
         out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
         decode_attention(
             q,
-            k_buf,
-            v_buf,
+            pool.get_key_buffer(lid),
+            pool.get_value_buffer(lid),
             fb.req_to_token_pool.req_to_token,
             fb.req_pool_indices,
             fb.seq_lens,

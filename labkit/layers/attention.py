@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 
 class Attention(nn.Module):
-    """Paged attention for one layer. q [T, H*D], k, v [T, H_kv*D] -> [T, H*D]."""
+    """Paged attention for one layer. q [T, H*D], k, v [T, H_kv*D] -> [T, H*D]; k and v None where
+    the layer wrote them into the pool itself (AttentionBackend.takes_stored_kv)."""
 
     def __init__(
         self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None
@@ -31,15 +32,18 @@ class Attention(nn.Module):
         # The backend call as compiled graphs see it: set by compile_with_eager_attention.
         self.backend_forward_outside_graphs: Callable[..., torch.Tensor] | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         s = self.spec
         call = _backend_forward
         if torch.compiler.is_compiling() and self.backend_forward_outside_graphs is not None:
             call = self.backend_forward_outside_graphs
+        kv_shape = (-1, s.num_kv_heads, s.head_dim)
         return call(
             q.view(-1, s.num_heads, s.head_dim),
-            k.view(-1, s.num_kv_heads, s.head_dim),
-            v.view(-1, s.num_kv_heads, s.head_dim),
+            None if k is None else k.view(kv_shape),
+            None if v is None else v.view(kv_shape),
             s,
             forward_batch,
         )
@@ -49,7 +53,11 @@ class Attention(nn.Module):
 # backends run their own kernels and keep Python state (metadata, per-request loops) that
 # torch.compile would only guard on and recompile for.
 def _backend_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionLayerSpec, forward_batch: ForwardBatch
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    spec: AttentionLayerSpec,
+    forward_batch: ForwardBatch,
 ) -> torch.Tensor:
     return forward_batch.attn_backend.forward(q, k, v, spec, forward_batch)
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from labkit.distributed.parallel_state import TPGroup
 from labkit.layers import Attention, LogitsProcessor, RMSNorm, SiluAndMul, get_rope
+from labkit.layers.fused import triton_kernels
 from labkit.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from labkit.layers.rotary import RopeInputs
 from labkit.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -43,6 +44,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
+        self._heads: Any = None  # labkit.kernels.QKVHeads, made on first use (_fused_heads)
 
     def forward(self, rope: RopeInputs, qkv: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """Attention from qkv_proj's output (the decoder layer runs qkv_proj: it fuses its norm in)."""
@@ -51,6 +53,53 @@ class LlamaAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = rope.apply(q, k, self.q_norm, self.k_norm)  # q/k norm (Qwen3) fused into rope on CUDA
         return self.o_proj(self.attn(q, k, v, forward_batch))
+
+    def forward_normed(
+        self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the attention block's output, hidden + residual) from the layer's input: forward of
+        qkv_proj(norm(hidden + residual)). For one decode token on CUDA, where the backend takes K/V
+        stored, a single kernel from the norm to the pool (labkit.kernels.gemv_qkv_rope_store: the
+        norm, qkv_proj, the q/k norm, the rotary and the KV store)."""
+        heads = self._fused_heads(rope, hidden, fb)
+        if heads is None:
+            qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)
+            return self(rope, qkv, fb), residual
+        pool, layer, proj = fb.token_to_kv_pool, self.attn.spec.layer_id, self.qkv_proj
+        q, residual = triton_kernels().gemv_qkv_rope_store(
+            hidden,
+            residual,
+            norm.weight,
+            norm.eps,
+            proj.weight,
+            proj.bias,
+            proj.gemv_split(hidden),
+            heads,
+            rope.table,
+            pool.get_key_buffer(layer),
+            pool.get_value_buffer(layer),
+            fb.out_cache_loc,
+        )
+        return self.o_proj(self.attn(q, None, None, fb)), residual
+
+    def _fused_heads(self, rope: RopeInputs, hidden: torch.Tensor, fb: ForwardBatch) -> Any:
+        """This layer's labkit.kernels.QKVHeads (semaphores of its own, made on first use) where
+        gemv_qkv_rope_store takes this forward, else None."""
+        takes = rope.table is not None and fb.forward_mode.is_decode() and fb.attn_backend.takes_stored_kv
+        if not takes or not self.qkv_proj.gemv_takes(hidden, hidden.shape[-1]):
+            return None
+        heads = self._heads
+        if heads is None or heads.semaphores.device != hidden.device:
+            norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+            if norms is not None and self.q_norm.eps != self.k_norm.eps:
+                return None
+            zeros = torch.zeros(self.num_heads + self.num_kv_heads, dtype=torch.int32, device=hidden.device)
+            eps = 1e-6 if self.q_norm is None else self.q_norm.eps
+            heads = self._heads = triton_kernels().QKVHeads(
+                self.num_heads, self.num_kv_heads, self.head_dim, zeros, norms, eps
+            )
+        fused = triton_kernels().fuses_qkv(heads, fb.token_to_kv_pool.get_key_buffer(self.attn.spec.layer_id), hidden)
+        return heads if fused else None
 
 
 class MLPBlock(nn.Module):
@@ -104,9 +153,9 @@ class LlamaDecoderLayer(nn.Module):
         self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None, forward_batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add runs in the next norm, (norm(h + r), h + r), and the norm in the projection
-        # after it: one kernel at batch 1 on CUDA (labkit.kernels.gemv_rmsnorm).
-        qkv, residual = self.self_attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm)
-        hidden = self.self_attn(rope, qkv, forward_batch)
+        # after it: one kernel at batch 1 on CUDA (labkit.kernels.gemv_rmsnorm; before attention, with
+        # the rotary and the KV store too: gemv_qkv_rope_store).
+        hidden, residual = self.self_attn.forward_normed(rope, hidden, residual, self.input_layernorm, forward_batch)
         return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm, forward_batch)
 
 

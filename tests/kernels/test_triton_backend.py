@@ -112,6 +112,23 @@ def test_decode_without_saving_kv_reads_new_token_from_arguments(dtype, device, 
     check_close(out, native.forward(q, k, v, spec, fb, save_kv_cache=False), dtype)
 
 
+def test_decode_with_kv_stored_by_the_layer_equals_decode_that_stores_it(dtype, device, gen, device_harness):
+    """k = v = None (takes_stored_kv): attention over the pool as the layer left it, the same as the
+    backend storing k, v first; a backend that reads the new K/V from its arguments refuses None."""
+    h = device_harness(2, 8, 2, 64, 4, dtype=dtype)
+    spec = AttentionLayerSpec(LAYER, 8, 2, 64, 0.125)
+    reqs = _fill(h, [(5, 1), (30, 1), (12, 1)], gen, device, dtype, spec)
+    fb = h.batch(ForwardMode.DECODE, [(r, 1) for r in reqs])
+    q, k, v = (torch.randn(3, n, 64, generator=gen, device=device).to(dtype) for n in (8, 2, 2))
+    h.backend.init_forward_metadata(fb)
+    stored = h.backend.forward(q, k, v, spec, fb)  # stores k, v at out_cache_loc
+    assert torch.equal(h.backend.forward(q, None, None, spec, fb), stored)
+    native = _native_twin(h)
+    native.init_forward_metadata(fb)
+    with pytest.raises(ValueError, match="needs the new tokens"):
+        native.forward(q, None, None, spec, fb)
+
+
 def test_decode_is_batch_invariant(device, gen, device_harness):
     """A request's decode output does not depend on which other requests share the batch (the split
     count may change with the batch: only rounding differs)."""
