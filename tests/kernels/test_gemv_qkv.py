@@ -20,7 +20,7 @@ from labkit.layers.rotary import RotaryEmbedding
 SLOTS = 6
 
 
-def _layer(num_q, num_kv, head_dim, hidden, bias, qk_norm, dtype, device, gen):
+def _layer(num_q, num_kv, head_dim, hidden, bias, qk_norm, dtype, device, gen, split_k=None):
     def rand(*shape, scale=1.0):
         return (scale * torch.randn(*shape, generator=gen, device=device)).to(dtype)
 
@@ -32,7 +32,7 @@ def _layer(num_q, num_kv, head_dim, hidden, bias, qk_norm, dtype, device, gen):
         "eps": 1e-6,
         "weight": rand(n, hidden, scale=hidden**-0.5),
         "bias": rand(n) if bias else None,
-        "split": Split(None, torch.zeros(semaphore_count(n), dtype=torch.int32, device=device)),
+        "split": Split(split_k, torch.zeros(semaphore_count(n), dtype=torch.int32, device=device)),
     }
     return heads, weights
 
@@ -47,10 +47,11 @@ def _layer(num_q, num_kv, head_dim, hidden, bias, qk_norm, dtype, device, gen):
     ids=["qwen2", "qwen3", "llama"],
 )
 @pytest.mark.parametrize("with_residual", [False, True], ids=["first_layer", "residual"])
+@pytest.mark.parametrize("split_k", [None, 4], ids=["whole_k", "split_k"])  # split: a deep TP's narrow qkv
 def test_fused_qkv_equals_gemv_then_rotary_then_store_kv(
-    num_q, num_kv, head_dim, hidden, bias, qk_norm, with_residual, dtype, device, gen
+    num_q, num_kv, head_dim, hidden, bias, qk_norm, with_residual, split_k, dtype, device, gen
 ):
-    heads, w = _layer(num_q, num_kv, head_dim, hidden, bias, qk_norm, dtype, device, gen)
+    heads, w = _layer(num_q, num_kv, head_dim, hidden, bias, qk_norm, dtype, device, gen, split_k)
     x = torch.randn(1, hidden, generator=gen, device=device).to(dtype)
     residual = torch.randn(1, hidden, generator=gen, device=device).to(dtype) if with_residual else None
     rope = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": 10000.0}, 4096)
