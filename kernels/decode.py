@@ -334,9 +334,12 @@ def decode_attention(
         mid_lse = torch.empty(batch, num_heads, max_kv_splits, dtype=torch.float32, device=q.device)
     one_split = max_kv_splits == 1
     count = decode_semaphore_count(batch, num_heads, num_kv_heads)
-    if semaphores is None and not one_split:  # one split: no merge, nothing to count
+    if one_split:  # no merge, nothing to count
+        semaphores = None
+    elif semaphores is None:
         semaphores = torch.zeros(count, dtype=torch.int32, device=q.device)
-    assert one_split or (semaphores is not None and semaphores.numel() >= count)
+    elif semaphores.numel() < count:
+        raise ValueError(f"decode_attention's merge needs {count} semaphores, got {semaphores.numel()}")
     assert mid_o.stride(3) == 1 and mid_lse.stride(2) == 1 and out.stride(2) == 1
 
     group = num_heads // num_kv_heads

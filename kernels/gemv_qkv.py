@@ -138,7 +138,7 @@ class QKVHeads:
     head_dim: int
     semaphores: torch.Tensor
     norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None
-    norm_eps: float = 1e-6
+    norm_eps: float = 1e-6  # rotary_embedding's default
 
 
 def fuses_qkv(heads: QKVHeads, k_buffer: torch.Tensor, x: torch.Tensor) -> bool:
@@ -171,7 +171,7 @@ def gemv_qkv_rope_store(
     Returns (q [1, num_q, head_dim], the new residual as gemv_rmsnorm returns it)."""
     n, d = weight.shape[0], heads.head_dim
     row, res, res_out = normed_row(x, residual, norm_weight, weight)
-    if n != (heads.num_q + 2 * heads.num_kv) * d or not fuses_qkv(heads, k_buffer, x):
+    if n != (heads.num_q + 2 * heads.num_kv) * d or d & (d - 1):
         raise ValueError(f"gemv_qkv_rope_store does not take a weight of {tuple(weight.shape)} for {heads}")
     if heads.semaphores.numel() < heads.num_q + heads.num_kv or heads.semaphores.dtype != torch.int32:
         raise ValueError(f"{heads.num_q + heads.num_kv} int32 head semaphores needed")

@@ -44,7 +44,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
-        self._heads: Any = None  # labkit.kernels.QKVHeads, made on first use (_fused_heads)
+        self._heads: tuple[torch.device, Any] | None = None  # (device, QKVHeads or None): _fused_heads
 
     def forward(self, rope: RopeInputs, qkv: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """Attention from qkv_proj's output (the decoder layer runs qkv_proj: it fuses its norm in)."""
@@ -83,23 +83,27 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, None, None, fb)), residual
 
     def _fused_heads(self, rope: RopeInputs, hidden: torch.Tensor, fb: ForwardBatch) -> Any:
-        """This layer's labkit.kernels.QKVHeads (semaphores of its own, made on first use) where
-        gemv_qkv_rope_store takes this forward, else None."""
+        """This layer's labkit.kernels.QKVHeads where gemv_qkv_rope_store takes this forward, else
+        None. Whether the layer fuses at all (its heads, the pool's dtype, the q/k norms' eps) is
+        decided once per device, with the semaphores made then."""
         takes = rope.table is not None and fb.forward_mode.is_decode() and fb.attn_backend.takes_stored_kv
         if not takes or not self.qkv_proj.gemv_takes(hidden, hidden.shape[-1]):
             return None
-        heads = self._heads
-        if heads is None or heads.semaphores.device != hidden.device:
-            norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
-            if norms is not None and self.q_norm.eps != self.k_norm.eps:
+        if self._heads is None or self._heads[0] != hidden.device:
+            self._heads = (hidden.device, self._make_heads(hidden, fb))
+        return self._heads[1]
+
+    def _make_heads(self, hidden: torch.Tensor, fb: ForwardBatch) -> Any:
+        kernels = triton_kernels()
+        norms: dict[str, Any] = {}
+        if self.q_norm is not None and self.k_norm is not None:
+            if self.q_norm.eps != self.k_norm.eps:  # the kernel takes one eps for both
                 return None
-            zeros = torch.zeros(self.num_heads + self.num_kv_heads, dtype=torch.int32, device=hidden.device)
-            eps = 1e-6 if self.q_norm is None else self.q_norm.eps
-            heads = self._heads = triton_kernels().QKVHeads(
-                self.num_heads, self.num_kv_heads, self.head_dim, zeros, norms, eps
-            )
-        fused = triton_kernels().fuses_qkv(heads, fb.token_to_kv_pool.get_key_buffer(self.attn.spec.layer_id), hidden)
-        return heads if fused else None
+            norms = {"norm_weights": (self.q_norm.weight, self.k_norm.weight), "norm_eps": self.q_norm.eps}
+        zeros = torch.zeros(self.num_heads + self.num_kv_heads, dtype=torch.int32, device=hidden.device)
+        heads = kernels.QKVHeads(self.num_heads, self.num_kv_heads, self.head_dim, zeros, **norms)
+        pool = fb.token_to_kv_pool.get_key_buffer(self.attn.spec.layer_id)
+        return heads if kernels.fuses_qkv(heads, pool, hidden) else None
 
 
 class MLPBlock(nn.Module):
