@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from labkit.kernels.decode import num_sms
-from labkit.kernels.pdl import pdl_options, pdl_wait
+from labkit.kernels.pdl import pdl_launch_dependents, pdl_options, pdl_wait_only
 
 MAX_SPLIT_K = 16
 MIN_K_PER_SPLIT = 256  # inputs a split program streams at least (gemv_split_k)
@@ -69,10 +69,12 @@ def gemv_sums(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    LAUNCH_EARLY: tl.constexpr,
 ):
     """This program's tile: (float32 sums of its BLOCK_N outputs, the norm's sum of squares, whether
     this program holds the whole tile's sums and must finish it: always with one split, else only
-    the tile's last split to arrive)."""
+    the tile's last split to arrive). Under PDL the next kernel may launch right after the wait
+    (LAUNCH_EARLY: a next projection streams its weights meanwhile) or once the weights are summed."""
     pid, split = tl.program_id(0), tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -86,7 +88,9 @@ def gemv_sums(
     # kernel ahead (no kernel writes weights), each next one while the current one is summed.
     k = k_start + offs_k
     w = tl.load(rows + k[None, :], mask=n_mask[:, None] & (k < k_end)[None, :], other=0.0)
-    pdl_wait(PDL)
+    pdl_wait_only(PDL)
+    if LAUNCH_EARLY:
+        pdl_launch_dependents(PDL)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + offs_k
         k_mask = k < k_end
@@ -108,6 +112,8 @@ def gemv_sums(
         )
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         w = w_next
+    if not LAUNCH_EARLY:
+        pdl_launch_dependents(PDL)
     sq_sum = tl.sum(sq, 0)
     done = True
     if SPLIT_K > 1:
@@ -182,6 +188,7 @@ def _gemv_kernel(
         BLOCK_N,
         BLOCK_K,
         PDL,
+        True,  # LAUNCH_EARLY: a projection's next kernel is mostly another one
     )
     if done:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

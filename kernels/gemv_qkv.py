@@ -10,7 +10,9 @@ its tiles to finish, counted by a per-head semaphore as split-K counts its piece
 - a Q or K tile writes its outputs to Y; the head's last tile reads the whole head back (from L2,
   where the other programs wrote it), normalizes and rotates it exactly as rotary_embedding does
   (kernels/rotary.py's rope_heads), and writes q in place in Y and k into the pool.
-The values are bit-identical to gemv_rmsnorm, then rotary_embedding, then store_kv.
+The values are bit-identical to gemv_rmsnorm, then rotary_embedding, then store_kv (in float32 the
+q/k norm's sum may be reduced in another order on a GPU: q within a few ulps).
+The kernel lets decode attention, the next kernel, launch only once its weights are summed (pdl.py).
 LABKIT_DISABLE_FUSED_QKV=1 in the environment (read at import) turns it off (fuses_qkv says no), for
 an A/B against the three kernels in one install."""
 
@@ -84,6 +86,7 @@ def _gemv_qkv_kernel(
         BLOCK_N,
         BLOCK_K,
         PDL,
+        False,  # LAUNCH_EARLY: decode attention, next, can do nothing before its wait (pdl.py)
     )
     if done:
         pid = tl.program_id(0)

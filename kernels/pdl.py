@@ -9,7 +9,10 @@ kernel writes) before it waits. The contract of a kernel launched with pdl_optio
 - nothing written by an earlier kernel is read, and nothing is written, before `pdl_wait`; the wait
   returns once the kernel ahead has finished and its writes are visible, and that kernel waited for
   its own predecessor, so every earlier kernel has finished too;
-- after the wait it lets the next kernel launch (its programs then wait in turn).
+- after the wait (pdl_wait), or later (pdl_wait_only, then pdl_launch_dependents), it lets the next
+  kernel launch; its programs then wait in turn, resident. Later suits a kernel whose next one can
+  do nothing before its wait (decode attention after the fused qkv kernel): launched early, that
+  kernel's waiting programs slowed the fused kernel by about 1 us a layer (docs/benchmarks.md).
 
 Under PDL a kernel's time in a profile includes its wait for the kernel ahead; LABKIT_DISABLE_PDL=1
 in the environment (read at import) launches every kernel plainly, for per-kernel times
@@ -51,6 +54,20 @@ def pdl_options(device: torch.device, tokens: int) -> dict[str, Any]:
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """Wait for the kernel ahead (a no-op without PDL), then let the next one launch."""
+    pdl_wait_only(PDL)
+    pdl_launch_dependents(PDL)
+
+
+@triton.jit
+def pdl_wait_only(PDL: tl.constexpr):
+    """Wait for the kernel ahead (a no-op without PDL); the next one launches at pdl_launch_dependents,
+    or once this kernel's programs have all exited."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_launch_dependents(PDL: tl.constexpr):
+    """Let the next kernel launch (once every program of this one has called this or exited)."""
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()

@@ -17,7 +17,7 @@ weights of a data/configs shape (default qwen3-0.6b) in bfloat16. In the same ru
   from HBM (bandwidth measured here by a device-to-device copy); prefill needs its FLOPs at the
   bf16 matrix rate measured here. Reported as achieved % (floor time / measured time);
 - batch-1 decode time per output token for --batch1-models, in each of --batch1-variants (CUDA
-  graphs, graphs + torch.compile, eager).
+  graphs, graphs + torch.compile, eager): the median of --batch1-repeats runs of one request.
 
 --kv-cache-dtype fp8_e4m3 / fp8_e5m2 gives labkit a float8 KV pool (the roofline then counts one
 byte per K/V value). --compare-overlap runs labkit a second time with overlap scheduling toggled;
@@ -32,6 +32,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -242,18 +243,24 @@ BATCH1_VARIANTS = {
 }
 
 
-def batch1_ms_per_token(model: str, args, variant: str, prompt: list[int], n: int) -> tuple[float, int]:
-    """(ms per output token after the first, weight bytes) of one request alone."""
+def batch1_ms_per_token(
+    model: str, args, variant: str, prompt: list[int], n: int, repeats: int = 1
+) -> tuple[list[float], int]:
+    """(ms per output token after the first, of each of `repeats` runs; weight bytes) of one request
+    alone, its prefix cache flushed before each run."""
     options = {"enable_torch_compile": False, **BATCH1_VARIANTS[variant]}  # the variant alone decides
     engine = build_engine(model, args, cuda_graph_max_bs=1, kv_memory_gb=2.0, **options)
     nbytes = weight_bytes(engine)
     params = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
     engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 8})  # warm-up
-    engine.flush_cache()
-    meta = engine.generate(input_ids=prompt, sampling_params=params)["meta_info"]
+    runs = []
+    for _ in range(repeats):
+        engine.flush_cache()
+        stamps = engine.generate(input_ids=prompt, sampling_params=params)["meta_info"]["timestamps"]
+        runs.append((stamps["finished"] - stamps["first_token"]) / (n - 1) * 1e3)
     del engine
     free_cuda()
-    return (meta["timestamps"]["finished"] - meta["timestamps"]["first_token"]) / (n - 1) * 1e3, nbytes
+    return runs, nbytes
 
 
 def kernel_profile(engine: Engine, prompts: list[list[int]], out_lens: list[int]) -> None:
@@ -503,6 +510,7 @@ def arg_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--batch1-input", type=int, default=512)
     ap.add_argument("--batch1-output", type=int, default=256)
+    ap.add_argument("--batch1-repeats", type=int, default=5, help="timed runs of each; the median is reported")
     ap.add_argument("--json", help="also write the results to this JSON file")
     return ap
 
@@ -551,9 +559,11 @@ def main(argv: list[str] | None = None) -> dict:
         cfg_vocab = json.loads((CONFIGS_DIR / f"{model}.json").read_text())["vocab_size"]
         prompt = make_requests(1, args.batch1_input, args.batch1_input, cfg_vocab, args.seed)[0]
         for variant in args.batch1_variants.split(","):
-            ms, nbytes = batch1_ms_per_token(model, args, variant, prompt, args.batch1_output)
+            runs, nbytes = batch1_ms_per_token(model, args, variant, prompt, args.batch1_output, args.batch1_repeats)
+            ms = statistics.median(runs)
             batch1.append((model, variant, ms, nbytes / bandwidth * 1e3))
-            print(f"batch-1 {model} {variant}: {ms:.3f} ms/token", flush=True)
+            spread = f" (median of {len(runs)}: {min(runs):.3f}-{max(runs):.3f})" if len(runs) > 1 else ""
+            print(f"batch-1 {model} {variant}: {ms:.3f} ms/token{spread}", flush=True)
 
     if not args.skip_hf:
         for bench in (bench_hf_continuous, bench_hf_padded):

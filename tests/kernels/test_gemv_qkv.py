@@ -1,7 +1,8 @@
 """gemv_qkv_rope_store (qkv_proj, rotary and the KV store in one kernel) against the unfused chain it
 replaces, gemv_rmsnorm then rotary_embedding then store_kv, on fresh random inputs: the same bits in
 q, in the pool rows of the token's slot and in the new residual, nothing else in the pool touched,
-the semaphores left zero."""
+the semaphores left zero. One exception, seen on an H200: float32 heads with the q/k norm, whose sum
+of squares a GPU may reduce in another order in each kernel, give q within a few float32 ulps."""
 
 from __future__ import annotations
 
@@ -72,7 +73,11 @@ def test_fused_qkv_equals_gemv_then_rotary_then_store_kv(
         q_out, res_out = gemv_qkv_rope_store(
             x, residual, **w, heads=heads, rope_table=inputs.table, k_buffer=k_buf, v_buffer=v_buf, loc=loc
         )
-        assert torch.equal(q_out, q_ref) and torch.equal(res_out, res_ref)
+        if qk_norm and dtype == torch.float32 and q_out.is_cuda:
+            torch.testing.assert_close(q_out, q_ref, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(q_out, q_ref)
+        assert torch.equal(res_out, res_ref)
         assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)  # slot 3 written, the rest untouched
         assert not heads.semaphores.any() and not w["split"].semaphores.any()
     for buf, old in zip((k_buf, v_buf), before):  # the slot's row was written
