@@ -12,6 +12,11 @@ cost a launch per layer, about 4 us of a batch-1 step's few hundred (docs/benchm
 bound on splits is 1 (large batches fill the GPU without splitting), each program writes the output
 itself.
 
+At small batches (PREFETCH_MAX_BATCH) a program loads its first block's slots and the K/V rows that
+earlier steps stored before its PDL wait, and only q and the new token's row after it: at batch 1 a
+split is often a single block, so the wait is followed by arithmetic, not by two dependent trips to
+memory (slot, then row).
+
 A float8 pool (--kv-cache-dtype fp8_*) is loaded as float8 and dequantized in the kernel: the K
 scale is folded into the score scale (q.(s k) = s (q.k)), the V scale multiplies each split's output
 (every value of a split has the same scale). Under a 16-bit q, K, V and q are cast to float16 and the
@@ -27,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from labkit.kernels.flash import LOG2E, paged_block_step
+from labkit.kernels.flash import LOG2E, online_softmax_step, paged_block_step
 from labkit.kernels.pdl import pdl_options, pdl_wait
 from labkit.mem_cache.memory_pool import is_fp8
 
@@ -36,6 +41,10 @@ MIN_TOKENS_PER_SPLIT = 64  # never cut a request into splits shorter than this (
 PROGRAMS_PER_SM = 2  # stage-1 programs the split heuristic aims for, per multiprocessor
 MIN_BLOCK_H = 16  # rows of a tl.dot operand must be >= 16
 MAX_BLOCK_H = 64
+# Prefetching holds a block of K and V in registers across the PDL wait. At small batches a GPU has a
+# few programs per multiprocessor and the wait is the decode step's critical path; large batches
+# keep the registers for occupancy (bf16 stage 1 runs there at the HBM copy rate).
+PREFETCH_MAX_BATCH = 8
 MERGE_TILE = 8192  # float32 partials the merge loads at once (32 KB: 64 registers a thread of 4 warps)
 
 
@@ -91,9 +100,11 @@ def _decode_stage1_kernel(
     MERGE_HEADS: tl.constexpr,  # query heads of a program: min(BLOCK_H, GROUP)
     ONE_SPLIT: tl.constexpr,  # every request is one split: write the output, no workspace
     FP16_DOT: tl.constexpr,  # a float8 pool under a 16-bit q: multiply in float16
+    PREFETCH: tl.constexpr,  # load the first block's slots and older K/V before the wait (see below)
     PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
+    if not PREFETCH:
+        pdl_wait(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     split = tl.program_id(2)
@@ -111,6 +122,19 @@ def _decode_stage1_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     req_row = Req_to_token + tl.load(Req_pool_indices + b).to(tl.int64) * stride_r2t
+    if PREFETCH:
+        # The kernel ahead writes q and this step's token's K/V (at seq_len - 1, the one new token of
+        # a decode); everything else read here was written before it launched. So the first block's
+        # slots and older rows stream in before the wait, and only the new row after it.
+        offs_first = start + tl.arange(0, BLOCK_N)
+        first = offs_first < end
+        slots = tl.load(req_row + offs_first, mask=first, other=0, cache_modifier=".cg").to(tl.int64)
+        older = first & (offs_first < seq_len - 1)
+        strides = (stride_kbs, stride_kbh, stride_vbs, stride_vbh)
+        k_first, v_first = _kv_rows(K_buf, V_buf, slots, older[:, None] & mask_d[None, :], kv_head, offs_d, *strides)
+        pdl_wait(PDL)
+        new = (first & (offs_first == seq_len - 1))[:, None] & mask_d[None, :]  # the new token's row, if here
+        k_first, v_first = _kv_rows(K_buf, V_buf, slots, new, kv_head, offs_d, *strides, k_first, v_first)
 
     q = tl.load(
         Q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
@@ -122,7 +146,13 @@ def _decode_stage1_kernel(
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: online_softmax_step's contract
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    rest = start
+    if PREFETCH:
+        s = tl.dot(q, tl.trans(k_first.to(q.dtype)), input_precision=DOT_PRECISION)
+        s = tl.where(first[None, :], s, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(s, v_first.to(q.dtype), m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        rest = start + BLOCK_N
+    for n0 in range(rest, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         m_i, l_i, acc = paged_block_step(
             q,
@@ -186,6 +216,19 @@ def _decode_stage1_kernel(
                 MERGE_S,
                 MERGE_HEADS,
             )
+
+
+@triton.jit
+def _kv_rows(
+    K_buf, V_buf, slots, mask, kv_head, offs_d, stride_kbs, stride_kbh, stride_vbs, stride_vbh, k_other=0.0, v_other=0.0
+):
+    """The K and V [BLOCK_N, BLOCK_D] of a block's token slots where `mask`, k_other / v_other elsewhere;
+    read from L2 (.cg), where every finished kernel's writes are, whatever an L1 still holds."""
+    k_ptrs = K_buf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :]
+    v_ptrs = V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :]
+    k = tl.load(k_ptrs, mask=mask, other=k_other, cache_modifier=".cg")
+    v = tl.load(v_ptrs, mask=mask, other=v_other, cache_modifier=".cg")
+    return k, v
 
 
 @triton.jit
@@ -299,6 +342,7 @@ def decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     semaphores: torch.Tensor | None = None,
+    prefetch: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its KV in the pool; returns out [B, H, D].
 
@@ -315,7 +359,10 @@ def decode_attention(
     are done (allocated when not given and max_kv_splits > 1; launches sharing them must not run
     concurrently).
     float32 inputs use full-precision (IEEE) matrix products; 16-bit ones accumulate in float32.
-    k_scale, v_scale: the layer's scales of a float8 pool (ignored for other buffers, as store_kv)."""
+    k_scale, v_scale: the layer's scales of a float8 pool (ignored for other buffers, as store_kv).
+    prefetch (default: batch <= PREFETCH_MAX_BATCH): each program loads its first block's slots and
+    the K/V rows before seq_len - 1 ahead of its PDL wait, so only q and the new token's row, which
+    the kernel ahead writes, come after it; the outputs are the same either way."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     assert num_heads % num_kv_heads == 0 and k_buffer.shape[2] == head_dim
@@ -389,6 +436,7 @@ def decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP16_DOT=is_fp8(k_buffer.dtype) and q.dtype != torch.float32,
         ONE_SPLIT=one_split,
+        PREFETCH=batch <= PREFETCH_MAX_BATCH if prefetch is None else prefetch,
         **stage1_config(head_dim, k_buffer.element_size()),
         **pdl_options(q.device, batch),
     )

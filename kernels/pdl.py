@@ -6,9 +6,11 @@ A batch-1 decode step is a chain of a few hundred kernels of a few microseconds 
 kernel's launch and ramp-up cost about as much as its work. With PDL the next kernel's programs are
 resident and waiting when the current one ends, and a projection streams its weights (which no
 kernel writes) before it waits. The contract of a kernel launched with pdl_options:
-- nothing written by an earlier kernel is read, and nothing is written, before `pdl_wait`; the wait
-  returns once the kernel ahead has finished and its writes are visible, and that kernel waited for
-  its own predecessor, so every earlier kernel has finished too;
+- nothing written by the kernel ahead is read, and nothing is written, before `pdl_wait`; the wait
+  returns once the kernel ahead has finished and its writes are visible. That kernel let this one
+  launch only after its own wait, so every kernel before it has finished by this one's start: what
+  they wrote may be read before the wait, from L2 (.cg loads skip the multiprocessor's L1). Decode
+  attention reads the older K/V rows that way (kernels/decode.py, prefetch);
 - after the wait (pdl_wait), or later (pdl_wait_only, then pdl_launch_dependents), it lets the next
   kernel launch; its programs then wait in turn, resident. Later suits a kernel whose next one can
   do nothing before its wait (decode attention after the fused qkv kernel): launched early, that

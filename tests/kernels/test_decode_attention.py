@@ -89,6 +89,23 @@ def test_decode_tolerates_empty_splits(dtype, device, gen, paged_kv, check_close
     check_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefetching_the_first_block_changes_no_output(page_size, dtype, device, gen, paged_kv):
+    """With prefetch a program loads its first block's older K/V before the PDL wait and the new
+    token's row (seq_len - 1) after it: the same bits as the plain loop, whether the new token falls
+    in a split's first block (short requests, one-block splits) or a later one, and for empty splits."""
+    seq_lens, splits = [1, 5, 64, 65, 130, 300], [1, 4, 2, 1, 2, 3]
+    k_buf, v_buf, req_to_token, rows = paged_kv(seq_lens, 2, 64, page_size, dtype, gen)
+    q = torch.randn(len(seq_lens), 8, 64, generator=gen, device=device).to(dtype)
+    seq = torch.tensor(seq_lens, device=device)
+    counts = torch.tensor(splits, dtype=torch.int32, device=device)
+    on, off = (
+        decode_attention(q, k_buf, v_buf, req_to_token, rows, seq, 0.125, None, counts, 4, prefetch=p)
+        for p in (True, False)
+    )
+    assert torch.equal(on, off)
+
+
 def test_split_heuristic_fills_the_device_but_respects_length():
     seq = torch.tensor([1, 64, 65, 10_000])
     splits, bound = decode_kv_splits(
