@@ -50,7 +50,8 @@ def main() -> None:
             prompt = offline_gpu.make_requests(1, args.batch1_input, args.batch1_input, vocab, args.seed)[0]
             for fused in (False, True) if round_ % 2 == 0 else (True, False):
                 use_fused(fused)
-                ms, _ = offline_gpu.batch1_ms_per_token(model, args, "graphs", prompt, args.batch1_output)
+                runs, _ = offline_gpu.batch1_ms_per_token(model, args, "graphs", prompt, args.batch1_output)
+                ms = runs[0]
                 name = f"{model} {'fused' if fused else 'separate kernels'}"
                 results.setdefault(name, []).append(round(ms, 3))
                 print(f"{name}: {ms:.3f} ms/token", flush=True)

@@ -243,21 +243,32 @@ BATCH1_VARIANTS = {
 }
 
 
+def batch1_engine(model: str, args, variant: str, prompt: list[int]) -> Engine:
+    """An engine for one request at a time (CUDA graphs for batch 1 unless the variant says not),
+    warmed up on `prompt`."""
+    options = {"enable_torch_compile": False, **BATCH1_VARIANTS[variant]}  # the variant alone decides
+    engine = build_engine(model, args, cuda_graph_max_bs=1, kv_memory_gb=2.0, **options)
+    engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+    return engine
+
+
+def decode_ms_per_token(engine: Engine, prompt: list[int], n: int) -> float:
+    """ms per output token after the first, of one request of n output tokens alone (the prefix
+    cache flushed first, so the prompt is prefilled anew)."""
+    engine.flush_cache()
+    params = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+    stamps = engine.generate(input_ids=prompt, sampling_params=params)["meta_info"]["timestamps"]
+    return (stamps["finished"] - stamps["first_token"]) / (n - 1) * 1e3
+
+
 def batch1_ms_per_token(
     model: str, args, variant: str, prompt: list[int], n: int, repeats: int = 1
 ) -> tuple[list[float], int]:
     """(ms per output token after the first, of each of `repeats` runs; weight bytes) of one request
-    alone, its prefix cache flushed before each run."""
-    options = {"enable_torch_compile": False, **BATCH1_VARIANTS[variant]}  # the variant alone decides
-    engine = build_engine(model, args, cuda_graph_max_bs=1, kv_memory_gb=2.0, **options)
+    alone."""
+    engine = batch1_engine(model, args, variant, prompt)
     nbytes = weight_bytes(engine)
-    params = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
-    engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 8})  # warm-up
-    runs = []
-    for _ in range(repeats):
-        engine.flush_cache()
-        stamps = engine.generate(input_ids=prompt, sampling_params=params)["meta_info"]["timestamps"]
-        runs.append((stamps["finished"] - stamps["first_token"]) / (n - 1) * 1e3)
+    runs = [decode_ms_per_token(engine, prompt, n) for _ in range(repeats)]
     del engine
     free_cuda()
     return runs, nbytes

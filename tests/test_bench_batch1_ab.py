@@ -1,0 +1,53 @@
+"""batch1_ab's variants, constants and rotation (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+import labkit.kernels.decode
+from labkit.bench.batch1_ab import Variant, alternate, applied, main, parse_variant, summary
+
+
+def test_a_variant_is_a_name_and_module_constants_as_literals():
+    v = parse_variant("fast:labkit.kernels.decode.PREFETCH_MAX_BATCH=0,labkit.kernels.gemv.MAX_SPLIT_K=4")
+    assert v == Variant(
+        "fast", (("labkit.kernels.decode", "PREFETCH_MAX_BATCH", 0), ("labkit.kernels.gemv", "MAX_SPLIT_K", 4))
+    )
+    assert parse_variant("base") == Variant("base")
+
+
+@pytest.mark.parametrize("spec", [":a.B=1", "x:NOMODULE=1", "x:a.B", "x:a.B=not a literal"])
+def test_a_malformed_variant_is_refused(spec):
+    with pytest.raises(ValueError):
+        parse_variant(spec)
+
+
+def test_constants_are_set_inside_the_block_and_restored_after_it():
+    before = labkit.kernels.decode.PREFETCH_MAX_BATCH
+    with applied(parse_variant("off:labkit.kernels.decode.PREFETCH_MAX_BATCH=0")):
+        assert labkit.kernels.decode.PREFETCH_MAX_BATCH == 0
+    assert labkit.kernels.decode.PREFETCH_MAX_BATCH == before
+    with pytest.raises(ValueError, match="no NO_SUCH"):  # a typo is an error, not a silent no-op
+        with applied(parse_variant("x:labkit.kernels.decode.PREFETCH_MAX_BATCH=0,labkit.kernels.decode.NO_SUCH=1")):
+            pass
+    assert labkit.kernels.decode.PREFETCH_MAX_BATCH == before  # restored on the error too
+
+
+def test_rounds_rotate_the_order_and_keep_results_in_round_order():
+    order = []
+    results = alternate(lambda name: order.append(name) or float(len(order)), ["a", "b", "c"], 3)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert results == {"a": [1.0, 6.0, 8.0], "b": [2.0, 4.0, 9.0], "c": [3.0, 5.0, 7.0]}
+
+
+def test_the_summary_gives_medians_and_paired_differences_from_the_first():
+    lines = summary({"base": [1.0, 1.2, 1.1], "new": [0.9, 1.15, 1.0]})
+    assert lines[0].startswith("base: 1.100 ms/token (1.000-1.200, 3 rounds)")
+    assert lines[1].endswith("-0.100 against base (median per round)")
+
+
+def test_duplicate_or_malformed_variants_are_usage_errors():
+    with pytest.raises(SystemExit):
+        main(["--variant", "a", "--variant", "a"])
+    with pytest.raises(SystemExit):
+        main(["--variant", "x:oops"])
