@@ -12,7 +12,6 @@ its tiles to finish, counted by a per-head semaphore as split-K counts its piece
   (kernels/rotary.py's rope_heads), and writes q in place in Y and k into the pool.
 The values are bit-identical to gemv_rmsnorm, then rotary_embedding, then store_kv (in float32 the
 q/k norm's sum may be reduced in another order on a GPU: q within a few ulps).
-The kernel lets decode attention, the next kernel, launch only once its weights are summed (pdl.py).
 LABKIT_DISABLE_FUSED_QKV=1 in the environment (read at import) turns it off (fuses_qkv says no), for
 an A/B against the three kernels in one install."""
 
@@ -29,6 +28,10 @@ from labkit.kernels.gemv import RMSNORM, Split, default_tiles, gemv_outputs, gem
 from labkit.kernels.rotary import rope_heads
 
 ENABLED = os.environ.get("LABKIT_DISABLE_FUSED_QKV", "0") != "1"
+# Under PDL decode attention, the next kernel, launches once this kernel's weights are summed, not at
+# its wait as after a plain GEMV: it can do little before its own wait, and its programs, launched
+# early and resident, cost about 1 us a layer (docs/benchmarks.md). A constant for batch1_ab's A/B.
+LAUNCH_ATTENTION_EARLY = False
 
 
 @triton.jit
@@ -66,6 +69,7 @@ def _gemv_qkv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    LAUNCH_EARLY: tl.constexpr,
 ):
     acc, sq_sum, done = gemv_sums(
         X,
@@ -86,7 +90,7 @@ def _gemv_qkv_kernel(
         BLOCK_N,
         BLOCK_K,
         PDL,
-        False,  # LAUNCH_EARLY: decode attention, next, can do nothing before its wait (pdl.py)
+        LAUNCH_EARLY,
     )
     if done:
         pid = tl.program_id(0)
@@ -203,6 +207,7 @@ def gemv_qkv_rope_store(
         NUM_KV=heads.num_kv,
         HEAD_DIM=d,
         HAS_HEAD_NORM=heads.norm_weights is not None,
+        LAUNCH_EARLY=LAUNCH_ATTENTION_EARLY,
         **options,
     )
     q = y[: heads.num_q * d].view(1, heads.num_q, d)
