@@ -24,11 +24,11 @@ def test_a_malformed_variant_is_refused(spec):
 
 def test_constants_are_set_inside_the_block_and_restored_after_it():
     before = labkit.kernels.decode.PREFETCH_MAX_BATCH
-    with applied(parse_variant("off:labkit.kernels.decode.PREFETCH_MAX_BATCH=0")):
-        assert labkit.kernels.decode.PREFETCH_MAX_BATCH == 0
+    with applied(parse_variant("on:labkit.kernels.decode.PREFETCH_MAX_BATCH=3")):
+        assert labkit.kernels.decode.PREFETCH_MAX_BATCH == 3
     assert labkit.kernels.decode.PREFETCH_MAX_BATCH == before
     with pytest.raises(ValueError, match="no NO_SUCH"):  # a typo is an error, not a silent no-op
-        with applied(parse_variant("x:labkit.kernels.decode.PREFETCH_MAX_BATCH=0,labkit.kernels.decode.NO_SUCH=1")):
+        with applied(parse_variant("x:labkit.kernels.decode.PREFETCH_MAX_BATCH=3,labkit.kernels.decode.NO_SUCH=1")):
             pass
     assert labkit.kernels.decode.PREFETCH_MAX_BATCH == before  # restored on the error too
 

@@ -4,7 +4,7 @@ same GPU. Separate runs are not comparable to a few percent: on one H200 the sam
 
     python -m labkit.bench.batch1_ab [--model qwen3-0.6b] [--rounds 7] \\
         --variant base \\
-        --variant no-prefetch:labkit.kernels.decode.PREFETCH_MAX_BATCH=0 \\
+        --variant prefetch:labkit.kernels.decode.PREFETCH_MAX_BATCH=8 \\
         --variant split-1:labkit.kernels.gemv.SPLIT_PROGRAMS_PER_SM=0
 
 A variant is a name and the module constants (module.NAME=value, comma-separated; values are Python
