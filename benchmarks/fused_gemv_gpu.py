@@ -6,8 +6,9 @@ and with them as separate kernels, alternated in one process so both see the sam
 Qwen3-0.6B and Qwen2.5-0.5B shapes, random bf16 weights, CUDA graphs: labkit.bench.offline_gpu's
 batch-1 measurement (512-token prompt, 256 output tokens). The separate kernels are restored by
 swapping in the unfused forms of the two layer methods that take the fused kernels
-(ColumnParallelLinear.forward_normed, LinearBase.matmul). --profile adds one profiled decode step
-table of Qwen3-0.6B each way (labkit.bench.profile_step: kernels and launches per step).
+(ColumnParallelLinear.forward_normed, LinearBase.matmul) and turning the fused qkv kernel off.
+--profile adds one profiled decode step table of Qwen3-0.6B each way (labkit.bench.profile_step:
+kernels and launches per step).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 
 from labkit.bench import offline_gpu, profile_step
+from labkit.kernels import gemv_qkv
 from labkit.layers.linear import ColumnParallelLinear, LinearBase
 from labkit.layers.rmsnorm import RMSNorm
 
@@ -33,6 +35,7 @@ def unfused_matmul(self, x, bias, act=None):
 
 
 def use_fused(fused: bool) -> None:
+    gemv_qkv.ENABLED = fused  # the fused qkv kernel has the norm in it too (LlamaAttention.forward_normed)
     ColumnParallelLinear.forward_normed = FUSED["forward_normed"] if fused else unfused_forward_normed  # type: ignore[method-assign]
     LinearBase.matmul = FUSED["matmul"] if fused else unfused_matmul  # type: ignore[method-assign]
 
