@@ -309,7 +309,7 @@ def decode_kv_splits(
     num_kv_heads: int,
     device_sms: int,
     max_kv_splits: int = DEFAULT_MAX_KV_SPLITS,
-    min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
+    min_tokens_per_split: int | None = None,
     programs_per_sm: int | None = None,
 ) -> tuple[torch.Tensor, int]:
     """(per-request split counts [B] int32, their upper bound): the counts are computed on
@@ -317,13 +317,15 @@ def decode_kv_splits(
 
     The bound gives stage 1 about programs_per_sm (default PROGRAMS_PER_SM) programs per
     multiprocessor (batch x KV heads x head blocks programs per split), at most max_kv_splits and at
-    least 1; a request gets the bound or one split per min_tokens_per_split of its tokens if fewer.
+    least 1; a request gets the bound or one split per min_tokens_per_split (default
+    MIN_TOKENS_PER_SPLIT, read at the call, as PROGRAMS_PER_SM) of its tokens if fewer.
     Pass the bound as decode_attention's max_kv_splits: it sizes the grid and the workspace."""
     group = num_heads // num_kv_heads
     per_split = seq_lens.shape[0] * num_kv_heads * triton.cdiv(group, head_block(group))
     wanted = (programs_per_sm or PROGRAMS_PER_SM) * device_sms
     bound = max(1, min(max_kv_splits, math.ceil(wanted / max(per_split, 1))))
-    by_len = torch.div(seq_lens + min_tokens_per_split - 1, min_tokens_per_split, rounding_mode="floor")
+    tokens = min_tokens_per_split or MIN_TOKENS_PER_SPLIT
+    by_len = torch.div(seq_lens + tokens - 1, tokens, rounding_mode="floor")
     return by_len.clamp(1, bound).to(torch.int32), bound
 
 
