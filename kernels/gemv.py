@@ -46,6 +46,7 @@ from labkit.kernels.pdl import pdl_launch_dependents, pdl_options, pdl_wait_only
 MAX_SPLIT_K = 16
 MIN_K_PER_SPLIT = 256  # inputs a split program streams at least (gemv_split_k)
 SPLIT_PROGRAMS_PER_SM = 8  # programs per multiprocessor gemv_split_k aims for
+WHOLE_STEP_MAX_N = 4096  # default_tiles: weights of up to this many outputs take steps of 1024 inputs
 PLAIN, RMSNORM, SILU_AND_MUL = 0, 1, 2  # the prologue
 
 
@@ -220,9 +221,10 @@ def block_n(n: int) -> int:
 
 def default_tiles(n: int, k_split: int) -> Tiles:
     """The tiles for N outputs over pieces of k_split inputs, from the sweep on an H200
-    (docs/benchmarks.md): a piece of up to 1024 inputs in one step where N is at most 4096 (up to
-    512 beyond, where the many tiles keep the GPU busy anyway), 8 warps for steps of 1024 or more."""
-    block_k = min(1024 if n <= 4096 else 512, triton.next_power_of_2(k_split))
+    (docs/benchmarks.md): a piece of up to 1024 inputs in one step where N is at most
+    WHOLE_STEP_MAX_N (up to 512 beyond, where the many tiles keep the GPU busy anyway), 8 warps for
+    steps of 1024 or more."""
+    block_k = min(1024 if n <= WHOLE_STEP_MAX_N else 512, triton.next_power_of_2(k_split))
     return Tiles(block_n(n), block_k, 8 if block_k >= 1024 or k_split >= 2048 else 4)
 
 
