@@ -33,6 +33,7 @@ from labkit.kernels.gemv import (
 )
 from labkit.kernels.gemv_qkv import QKVHeads, gemv_qkv_rope_store
 from labkit.kernels.kv_cache import store_kv
+from labkit.kernels.pdl import pdl_options
 from labkit.kernels.rotary import rotary_embedding
 
 SHAPES = {  # name: (out_features N, in_features K)
@@ -44,6 +45,10 @@ SHAPES = {  # name: (out_features N, in_features K)
     "qwen2.5-0.5b o_proj": (896, 896),
     "qwen2.5-0.5b gate_up_proj": (9728, 896),
     "qwen2.5-0.5b down_proj": (896, 4864),
+    "llama-3-8b qkv_proj": (6144, 4096),
+    "llama-3-8b o_proj": (4096, 4096),
+    "llama-3-8b gate_up_proj": (28672, 4096),
+    "llama-3-8b down_proj": (4096, 14336),
 }
 QKV_HEADS = {  # name: (hidden, query heads, KV heads, head size, qkv bias, q/k norm)
     "qwen3-0.6b": (1024, 16, 8, 128, False, True),
@@ -75,7 +80,7 @@ def gemv_us(x: torch.Tensor, weights: list[torch.Tensor], split: Split) -> float
 
 def sweep(n: int, k: int, x: torch.Tensor, weights: list[torch.Tensor]) -> None:
     """Every tile shape at the chosen split, fastest first (what default_tiles was picked from)."""
-    split_k = gemv_split_k(n, k, num_sms(x.device))
+    split_k = gemv_split_k(n, k, num_sms(x.device), pdl_options(x.device, 1)["PDL"])
     semaphores = torch.zeros(triton.cdiv(n, min(SWEEP_BLOCK_N)), dtype=torch.int32, device="cuda")
     k_split = triton.cdiv(k, split_k)
     times = {}
@@ -83,7 +88,7 @@ def sweep(n: int, k: int, x: torch.Tensor, weights: list[torch.Tensor]) -> None:
         if bk > 2 * triton.next_power_of_2(k_split) or bn * bk > 16384:
             continue
         times[(bn, bk, warps)] = gemv_us(x, weights, Split(split_k, semaphores, Tiles(bn, bk, warps)))
-    default = default_tiles(n, k_split)
+    default = default_tiles(n, k, num_sms(x.device), split_k)
     best = sorted(times.items(), key=lambda kv: kv[1])[:5]
     print(f"    default {default}: {times[(default.block_n, default.block_k, default.num_warps)]:.2f} us; best:")
     print("    " + ", ".join(f"(block_n {bn}, block_k {bk}, warps {w}) {t:.2f}" for (bn, bk, w), t in best))
@@ -142,7 +147,7 @@ def main() -> None:
         ours = gemv_us(x, weights, Split(None, semaphores))
         each = "".join(f" {gemv_us(x, weights, Split(s, semaphores)):8.2f}" for s in splits)
         mb = n * k * 2 / 1e6
-        chosen = gemv_split_k(n, k, num_sms(x.device))
+        chosen = gemv_split_k(n, k, num_sms(x.device), pdl_options(x.device, 1)["PDL"])
         print(
             f"{name:28} {n:6} {k:6} {mb:6.1f} {cublas:10.2f} {mb / cublas:5.2f} {chosen:5} {ours:8.2f} {mb / ours:5.2f}"
             f"{each}"

@@ -12,10 +12,10 @@ cost a launch per layer, about 4 us of a batch-1 step's few hundred (docs/benchm
 bound on splits is 1 (large batches fill the GPU without splitting), each program writes the output
 itself.
 
-At small batches (PREFETCH_MAX_BATCH; 0 for now, not yet timed on a GPU) a program can load its first
-block's slots and the K/V rows that earlier steps stored before its PDL wait, and only q and the new
-token's row after it: at batch 1 a split is often a single block, so the wait is then followed by
-arithmetic, not by two dependent trips to memory (slot, then row).
+At batch 1 (PREFETCH_MAX_BATCH) a program loads its first block's slots and the K/V rows that earlier
+steps stored before its PDL wait, and only q and the new token's row after it: a split is often a
+single block, so the wait is then followed by arithmetic, not by two dependent trips to memory (slot,
+then row). On an H200 that took 0.03 ms off a Qwen3-0.6B decode step (docs/benchmarks.md).
 
 A float8 pool (--kv-cache-dtype fp8_*) is loaded as float8 and dequantized in the kernel: the K
 scale is folded into the score scale (q.(s k) = s (q.k)), the V scale multiplies each split's output
@@ -43,9 +43,9 @@ MIN_BLOCK_H = 16  # rows of a tl.dot operand must be >= 16
 MAX_BLOCK_H = 64
 # Prefetching holds a block of K and V in registers across the PDL wait. At small batches a GPU has a
 # few programs per multiprocessor and the wait is the decode step's critical path; large batches
-# keep the registers for occupancy (bf16 stage 1 runs there at the HBM copy rate). 0 (off) until it
-# is timed on a GPU: batch1_ab's variant labkit.kernels.decode.PREFETCH_MAX_BATCH=8 turns it on.
-PREFETCH_MAX_BATCH = 0
+# keep the registers for occupancy (bf16 stage 1 runs there at the HBM copy rate). Timed at batch 1
+# only (labkit.bench.batch1_ab); batches of 2-8 may gain too, untimed.
+PREFETCH_MAX_BATCH = 1
 MERGE_TILE = 8192  # float32 partials the merge loads at once (32 KB: 64 registers a thread of 4 warps)
 
 

@@ -11,7 +11,10 @@ busy, so its K is cut into split_k pieces, one program per (tile, piece) (gemv_s
 leaves its float32 partial sums; the last piece of a tile to finish (an atomic counter, a
 semaphore, says which) adds them in piece order, so the result does not depend on timing, and
 finishes the tile. On an H200 that took Qwen3-0.6B's down_proj from 7.7 to 5.6 us and Qwen2.5's
-(4864 -> 896) from 11.0 to 6.5 us, ahead of cuBLAS's 8.4 (kernels/bench_gemv.py).
+(4864 -> 896) from 11.0 to 6.5 us, ahead of cuBLAS's 8.4 (kernels/bench_gemv.py). Under PDL (below)
+the weights are not cut: the next projection streams its weights while this one's last tiles finish,
+which is the idle time the pieces filled, and with one piece a batch-1 decode step was faster on
+every model timed (H200 and H100, docs/benchmarks.md).
 
 Each launch is programmatically dependent on the kernel ahead (labkit.kernels.pdl): its first
 weight tile streams in before it waits for that kernel's output.
@@ -46,7 +49,13 @@ from labkit.kernels.pdl import pdl_launch_dependents, pdl_options, pdl_wait_only
 MAX_SPLIT_K = 16
 MIN_K_PER_SPLIT = 256  # inputs a split program streams at least (gemv_split_k)
 SPLIT_PROGRAMS_PER_SM = 8  # programs per multiprocessor gemv_split_k aims for
+SPLIT_UNDER_PDL = False  # cut tall weights under PDL too (batch1_ab's knob; slower where timed)
 WHOLE_STEP_MAX_N = 4096  # default_tiles: weights of up to this many outputs take steps of 1024 inputs
+# default_tiles for a weight in one piece: (block_n, largest block_k, warps) of a tall one with few
+# tiles (None: the wide rule), and a wide one's warps; batch-1 decode was faster with both on an
+# H200 (labkit.bench.batch1_ab, docs/benchmarks.md).
+TALL_TILE: tuple[int, int, int] | None = (4, 2048, 8)
+WIDE_WARPS = 4
 PLAIN, RMSNORM, SILU_AND_MUL = 0, 1, 2  # the prologue
 
 
@@ -219,12 +228,21 @@ def block_n(n: int) -> int:
     return 16 if n >= 8192 else 8
 
 
-def default_tiles(n: int, k_split: int) -> Tiles:
-    """The tiles for N outputs over pieces of k_split inputs, from the sweep on an H200
-    (docs/benchmarks.md): a piece of up to 1024 inputs in one step where N is at most
-    WHOLE_STEP_MAX_N (up to 512 beyond, where the many tiles keep the GPU busy anyway), 8 warps for
-    steps of 1024 or more."""
+def default_tiles(n: int, k: int, sms: int, split_k: int = 1) -> Tiles:
+    """The tiles for an N x K weight cut into split_k pieces on a GPU of `sms` multiprocessors, from
+    sweeps on an H200 (docs/benchmarks.md). Whole (one piece, as under PDL): a tall weight (K > N)
+    whose block_n(n) tiles are fewer than the multiprocessors takes TALL_TILE, narrow tiles of long
+    steps (Qwen3-0.6B's and Qwen2.5-0.5B's o_proj and down_proj; Llama-3-8B's down_proj, 512 tiles,
+    was slower with it); a wide one block_n(n) outputs, up to 1024 inputs a step where N is at most
+    WHOLE_STEP_MAX_N (up to 512 beyond, where the many tiles keep the GPU busy anyway), and
+    WIDE_WARPS warps. Pieces (split-K, without PDL): the wide rule, 8 warps for steps of 1024 or more."""
+    k_split = triton.cdiv(k, split_k)
+    if split_k == 1 and k > n and semaphore_count(n) < sms and TALL_TILE is not None:
+        tile_n, max_k, warps = TALL_TILE
+        return Tiles(tile_n, min(max_k, triton.next_power_of_2(k)), warps)
     block_k = min(1024 if n <= WHOLE_STEP_MAX_N else 512, triton.next_power_of_2(k_split))
+    if split_k == 1:
+        return Tiles(block_n(n), block_k, WIDE_WARPS)
     return Tiles(block_n(n), block_k, 8 if block_k >= 1024 or k_split >= 2048 else 4)
 
 
@@ -233,14 +251,16 @@ def semaphore_count(n: int) -> int:
     return triton.cdiv(n, block_n(n))
 
 
-def gemv_split_k(n: int, k: int, sms: int) -> int:
-    """K splits for an N x K weight on a GPU of `sms` multiprocessors. A tall weight (K > N: o_proj,
-    down_proj) has few output tiles for its bytes: cut it into the fewest pieces (a power of two)
-    that put SPLIT_PROGRAMS_PER_SM programs on each multiprocessor, keeping at least MIN_K_PER_SPLIT
-    inputs a piece. A wide one is one piece: its tiles already fill the GPU, and on an H200 every
-    cut of one made it slower (docs/benchmarks.md)."""
+def gemv_split_k(n: int, k: int, sms: int, pdl: bool = False) -> int:
+    """K splits for an N x K weight on a GPU of `sms` multiprocessors, launched with PDL or not. A
+    tall weight (K > N: o_proj, down_proj) launched without PDL has few output tiles for its bytes:
+    cut it into the fewest pieces (a power of two) that put SPLIT_PROGRAMS_PER_SM programs on each
+    multiprocessor, keeping at least MIN_K_PER_SPLIT inputs a piece. Under PDL the next kernel's
+    weight loads fill that idle time, and one piece was faster (module docstring). A wide one is
+    one piece: its tiles already fill the GPU, and on an H200 every cut of one made it slower
+    (docs/benchmarks.md)."""
     split, tiles = 1, semaphore_count(n)
-    if k <= n:
+    if k <= n or (pdl and not SPLIT_UNDER_PDL):
         return split
     while split < MAX_SPLIT_K and tiles * split < SPLIT_PROGRAMS_PER_SM * sms and k >= 2 * split * MIN_K_PER_SPLIT:
         split *= 2
@@ -262,10 +282,11 @@ def launch_args(
     """The grid, arguments and keyword arguments (constexprs, launch options) of a GEMV launch:
     _gemv_kernel's, which a kernel built on gemv_sums starts its own with."""
     n, k = weight.shape
-    split_k = split.split_k or gemv_split_k(n, k, num_sms(row.device))
+    pdl = pdl_options(row.device, 1)
+    split_k = split.split_k or gemv_split_k(n, k, num_sms(row.device), pdl["PDL"])
     if split_k & (split_k - 1) or not 1 <= split_k <= MAX_SPLIT_K:
         raise ValueError(f"split_k must be a power of two in [1, {MAX_SPLIT_K}], got {split_k}")
-    shape = split.tiles or default_tiles(n, triton.cdiv(k, split_k))
+    shape = split.tiles or default_tiles(n, k, num_sms(row.device), split_k)
     tiles = triton.cdiv(n, shape.block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), shape.block_k) * shape.block_k
     partial = sq = semaphores = row  # never read with one split
@@ -302,7 +323,7 @@ def launch_args(
         BLOCK_N=shape.block_n,
         BLOCK_K=shape.block_k,
         num_warps=shape.num_warps,
-        **pdl_options(row.device, 1),
+        **pdl,
     )
     return (tiles, split_k), args, options
 

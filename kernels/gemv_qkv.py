@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from labkit.kernels.decode import num_sms
 from labkit.kernels.gemv import RMSNORM, Split, default_tiles, gemv_outputs, gemv_sums, launch_args, normed_row
 from labkit.kernels.rotary import rope_heads
 
@@ -154,7 +155,12 @@ def fuses_qkv(heads: QKVHeads, k_buffer: torch.Tensor, x: torch.Tensor) -> bool:
     with LABKIT_DISABLE_FUSED_QKV=1."""
     d = heads.head_dim
     n = (heads.num_q + 2 * heads.num_kv) * d
-    return ENABLED and d & (d - 1) == 0 and d % default_tiles(n, 1).block_n == 0 and k_buffer.dtype == x.dtype
+    return (
+        ENABLED
+        and d & (d - 1) == 0
+        and d % default_tiles(n, x.shape[-1], num_sms(x.device)).block_n == 0
+        and k_buffer.dtype == x.dtype
+    )
 
 
 def gemv_qkv_rope_store(

@@ -6,6 +6,8 @@ otherwise."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,14 +15,16 @@ import torch.nn.functional as F
 import labkit.kernels
 from labkit.distributed.parallel_state import TPGroup
 from labkit.kernels import GemvSplit, gemv, gemv_rmsnorm, gemv_silu_and_mul
-from labkit.kernels.gemv import gemv_split_k, semaphore_count
+from labkit.kernels.gemv import Tiles, block_n, default_tiles, gemv_split_k, semaphore_count
 from labkit.kernels.reference import reference_fused_add_rmsnorm, reference_rmsnorm, reference_silu_and_mul
 from labkit.layers.linear import ColumnParallelLinear
+
+gemv_module = importlib.import_module("labkit.kernels.gemv")  # the package's `gemv` is the function
 
 CUDA = torch.cuda.is_available()
 
 
-SPLITS = [None, 4]  # the device's choice (one piece but for the (24, 1536) weight), four pieces
+SPLITS = [None, 1, 4]  # the device's choice (pieces for the (24, 1536) weight without PDL), one, four
 
 
 def split_of(split_k: int | None, n: int, device: torch.device) -> GemvSplit:
@@ -101,6 +105,21 @@ def test_gemv_split_k_cuts_tall_weights_only():
     assert gemv_split_k(1024, 3072, sms) > 1  # down_proj: 128 tiles would leave half of it idle
     assert gemv_split_k(1024, 256, sms) == 1  # too short to cut
     assert gemv_split_k(8, 1 << 20, sms) <= 16
+
+
+def test_default_tiles_narrow_a_whole_tall_weight_of_few_tiles_only():
+    assert default_tiles(1024, 3072, 132) == Tiles(4, 2048, 8)  # Qwen3's down_proj: 128 tiles
+    assert default_tiles(512, 1024, 132) == Tiles(4, 1024, 8)  # never a step past K
+    assert default_tiles(4096, 14336, 132).block_n == block_n(4096)  # Llama-3-8B's: 512 tiles
+    assert default_tiles(4096, 1024, 132).block_n == block_n(4096)  # wide
+    # split pieces keep block_n(n): a split launch has semaphore_count(n) tiles
+    assert default_tiles(1024, 3072, 132, split_k=4).block_n == block_n(1024)
+
+
+def test_gemv_split_k_leaves_tall_weights_whole_under_pdl(monkeypatch):
+    assert gemv_split_k(1024, 3072, 132, pdl=True) == 1
+    monkeypatch.setattr(gemv_module, "SPLIT_UNDER_PDL", True)
+    assert gemv_split_k(1024, 3072, 132, pdl=True) > 1
 
 
 def test_gemv_refuses_a_bad_split(device):
