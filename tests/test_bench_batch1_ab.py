@@ -1,4 +1,4 @@
-"""batch1_ab's variants, constants and rotation (no GPU needed)."""
+"""batch1_ab's variants, constants, rotation and A/B driver, which offline_ab shares (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,34 @@ def test_duplicate_or_malformed_variants_are_usage_errors():
         main(["--variant", "a", "--variant", "a"])
     with pytest.raises(SystemExit):
         main(["--variant", "x:oops"])
+
+
+def test_compare_builds_and_measures_each_engine_under_its_own_constants(monkeypatch, capsys):
+    import torch
+
+    from labkit.bench.batch1_ab import compare
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake GPU")
+    variants = {v.name: v for v in map(parse_variant, ["off", "on:labkit.kernels.decode.PREFETCH_MAX_BATCH=5"])}
+    built = []
+
+    def build():
+        built.append(labkit.kernels.decode.PREFETCH_MAX_BATCH)
+        return len(built)  # the "engine"
+
+    def measure(engine):  # the engine built under a setting runs under that setting
+        assert labkit.kernels.decode.PREFETCH_MAX_BATCH == built[engine - 1]
+        return 10.0 * engine
+
+    results = compare(variants, build, measure, 2, "test", "tok/s", 0)
+    assert built == [labkit.kernels.decode.PREFETCH_MAX_BATCH, 5]
+    assert results == {"off": [10.0, 10.0], "on": [20.0, 20.0]}
+    assert "on: 20 tok/s (20-20, 2 rounds), +10 against off" in capsys.readouterr().out
+
+
+def test_offline_ab_refuses_repeated_variants():
+    from labkit.bench import offline_ab
+
+    with pytest.raises(SystemExit):
+        offline_ab.main(["--variant", "a", "--variant", "a"])

@@ -83,17 +83,60 @@ def alternate(run: Callable[[str], float], names: list[str], rounds: int) -> dic
     return results
 
 
-def summary(results: dict[str, list[float]]) -> list[str]:
+def summary(results: dict[str, list[float]], unit: str = "ms/token", digits: int = 3) -> list[str]:
     """One line per variant: median (min-max), and the median per-round difference from the first."""
     first = next(iter(results.values()))
     lines = []
     for name, runs in results.items():
-        line = f"{name}: {statistics.median(runs):.3f} ms/token ({min(runs):.3f}-{max(runs):.3f}, {len(runs)} rounds)"
+        median, low, high = (f"{x:.{digits}f}" for x in (statistics.median(runs), min(runs), max(runs)))
+        line = f"{name}: {median} {unit} ({low}-{high}, {len(runs)} rounds)"
         if runs is not first:
             diff = statistics.median(b - a for a, b in zip(first, runs))
-            line += f", {diff:+.3f} against {next(iter(results))} (median per round)"
+            line += f", {diff:+.{digits}f} against {next(iter(results))} (median per round)"
         lines.append(line)
     return lines
+
+
+def parse_variants(ap: argparse.ArgumentParser, specs: list[str]) -> dict[str, Variant]:
+    """The --variant options by name; a malformed or repeated one is a usage error."""
+    try:
+        variants = {v.name: v for v in map(parse_variant, specs)}
+    except ValueError as e:
+        ap.error(str(e))
+    if len(variants) < len(specs):
+        ap.error("variant names must differ")
+    return variants
+
+
+def compare(
+    variants: dict[str, Variant],
+    build: Callable[[], Any],
+    measure: Callable[[Any], float],
+    rounds: int,
+    title: str,
+    unit: str,
+    digits: int,
+) -> dict[str, list[float]]:
+    """An engine per variant (build() under its constants), then `rounds` rounds of measure(engine)
+    under its constants, rotating; prints each run and the summary."""
+    if not torch.cuda.is_available():
+        raise SystemExit("an A/B of GPU settings needs a CUDA device")
+    engines = {}
+    for name, variant in variants.items():
+        with applied(variant):
+            engines[name] = build()
+
+    def run(name: str) -> float:
+        with applied(variants[name]):
+            value = measure(engines[name])
+        print(f"  {name}: {value:.{digits}f} {unit}", flush=True)
+        return value
+
+    results = alternate(run, list(variants), rounds)
+    print(f"== {title}, {torch.cuda.get_device_name()}")
+    for line in summary(results, unit, digits):
+        print(line)
+    return results
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
@@ -105,33 +148,19 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--engine-variant", default="graphs", choices=sorted(offline_gpu.BATCH1_VARIANTS))
     cli = ap.parse_args(argv)
-    try:
-        variants = {v.name: v for v in map(parse_variant, cli.variant)}
-    except ValueError as e:
-        ap.error(str(e))
-    if len(variants) < len(cli.variant):
-        ap.error("variant names must differ")
-    if not torch.cuda.is_available():
-        raise SystemExit("batch1_ab needs a CUDA device")
+    variants = parse_variants(ap, cli.variant)
     args = offline_gpu.arg_parser().parse_args(["--skip-hf"])
     vocab = json.loads((offline_gpu.CONFIGS_DIR / f"{cli.model}.json").read_text())["vocab_size"]
     prompt = offline_gpu.make_requests(1, args.batch1_input, args.batch1_input, vocab, args.seed)[0]
-    engines = {}
-    for name, variant in variants.items():
-        with applied(variant):
-            engines[name] = offline_gpu.batch1_engine(cli.model, args, cli.engine_variant, prompt)
-
-    def run(name: str) -> float:
-        with applied(variants[name]):
-            ms = offline_gpu.decode_ms_per_token(engines[name], prompt, args.batch1_output)
-        print(f"  {name}: {ms:.3f} ms/token", flush=True)
-        return ms
-
-    results = alternate(run, list(variants), cli.rounds)
-    print(f"== batch-1 {cli.model} ({cli.engine_variant}), {torch.cuda.get_device_name()}")
-    for line in summary(results):
-        print(line)
-    return results
+    return compare(
+        variants,
+        lambda: offline_gpu.batch1_engine(cli.model, args, cli.engine_variant, prompt),
+        lambda engine: offline_gpu.decode_ms_per_token(engine, prompt, args.batch1_output),
+        cli.rounds,
+        f"batch-1 {cli.model} ({cli.engine_variant})",
+        "ms/token",
+        3,
+    )
 
 
 if __name__ == "__main__":
