@@ -56,8 +56,10 @@ def test_duplicate_or_malformed_variants_are_usage_errors():
 def test_compare_builds_and_measures_each_engine_under_its_own_constants(monkeypatch, capsys):
     import torch
 
+    from labkit.bench import batch1_ab
     from labkit.bench.batch1_ab import compare
 
+    monkeypatch.setattr(batch1_ab, "machine_state", lambda: "GPU state")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake GPU")
     variants = {v.name: v for v in map(parse_variant, ["off", "on:labkit.kernels.decode.PREFETCH_MAX_BATCH=5"])}
@@ -74,7 +76,9 @@ def test_compare_builds_and_measures_each_engine_under_its_own_constants(monkeyp
     results = compare(variants, build, measure, 2, "test", "tok/s", 0)
     assert built == [labkit.kernels.decode.PREFETCH_MAX_BATCH, 5]
     assert results == {"off": [10.0, 10.0], "on": [20.0, 20.0]}
-    assert "on: 20 tok/s (20-20, 2 rounds), +10 against off" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "  on: 20 tok/s  [GPU state]" in out
+    assert "on: 20 tok/s (20-20, 2 rounds), +10 against off" in out
 
 
 def test_offline_ab_refuses_repeated_variants():
@@ -82,3 +86,29 @@ def test_offline_ab_refuses_repeated_variants():
 
     with pytest.raises(SystemExit):
         offline_ab.main(["--variant", "a", "--variant", "a"])
+
+
+def test_machine_state_reads_nvidia_smi_and_the_load(monkeypatch):
+    import subprocess
+
+    import torch
+
+    from labkit.bench import batch1_ab
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(batch1_ab.os, "getloadavg", lambda: (2.25, 0.0, 0.0))
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="1755, 2619, 412.5, 51\n")
+
+    monkeypatch.setattr(batch1_ab.subprocess, "run", fake_run)
+    assert batch1_ab.machine_state() == "SM 1755 MHz, mem 2619 MHz, 412.5 W, 51 C; load 2.2"
+    assert calls[0][:3] == ["nvidia-smi", "-i", "0"]
+
+    def missing(cmd, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(batch1_ab.subprocess, "run", missing)
+    assert batch1_ab.machine_state() == "load 2.2"

@@ -5,15 +5,16 @@ same GPU. Separate runs are not comparable to a few percent: on one H200 the sam
     python -m labkit.bench.batch1_ab [--model qwen3-0.6b] [--rounds 7] \\
         --variant base \\
         --variant prefetch:labkit.kernels.decode.PREFETCH_MAX_BATCH=8 \\
-        --variant split-1:labkit.kernels.gemv.SPLIT_PROGRAMS_PER_SM=0
+        --variant split:labkit.kernels.gemv.SPLIT_UNDER_PDL=True
 
 A variant is a name and the module constants (module.NAME=value, comma-separated; values are Python
 literals) set while its engine is built and while it runs: a constant read when the CUDA graphs are
 captured is then in that engine's graphs, and one read at each launch is set for its runs too.
 Every variant gets its own engine (random bf16 weights, CUDA graphs for batch 1), and every round
 times each once over offline_gpu's batch-1 request (512-token prompt, 256 output tokens), the order
-rotating from round to round. Reported: each variant's median ms per output token with its range,
-and the median of its per-round difference from the first variant.
+rotating from round to round; each run's line ends with the GPU's clocks and the host's load as it
+ended (machine_state). Reported: each variant's median ms per output token with its range, and the
+median of its per-round difference from the first variant.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import ast
 import contextlib
 import importlib
 import json
+import os
 import statistics
+import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +100,21 @@ def summary(results: dict[str, list[float]], unit: str = "ms/token", digits: int
     return lines
 
 
+def machine_state() -> str:
+    """The GPU's clocks, power and temperature (nvidia-smi, where there is one) and the host's load
+    average, as a run ends: a round that swings away from the others can then be told apart as a
+    clock drop (throttling) or a busy host."""
+    state = f"load {os.getloadavg()[0]:.1f}"
+    try:
+        index = str(torch.cuda.current_device())
+        query = ["nvidia-smi", "-i", index, "--query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu"]
+        done = subprocess.run([*query, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+        sm, mem, watts, celsius = (field.strip() for field in done.stdout.strip().split(","))
+    except (OSError, subprocess.SubprocessError, ValueError):  # no nvidia-smi, or another output
+        return state
+    return f"SM {sm} MHz, mem {mem} MHz, {watts} W, {celsius} C; {state}"
+
+
 def parse_variants(ap: argparse.ArgumentParser, specs: list[str]) -> dict[str, Variant]:
     """The --variant options by name; a malformed or repeated one is a usage error."""
     try:
@@ -129,7 +147,7 @@ def compare(
     def run(name: str) -> float:
         with applied(variants[name]):
             value = measure(engines[name])
-        print(f"  {name}: {value:.{digits}f} {unit}", flush=True)
+        print(f"  {name}: {value:.{digits}f} {unit}  [{machine_state()}]", flush=True)
         return value
 
     results = alternate(run, list(variants), rounds)
