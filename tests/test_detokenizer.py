@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from labkit.tokenizer import IncrementalDetokenizer
-from labkit.tokenizer.detokenizer import find_stop, partial_stop_len
+from labkit.tokenizer.detokenizer import decode_backend, find_stop, partial_stop_len
 
 FFFD = "\ufffd"
 MULTIBYTE = "你好，世界！😀🎉👍🏽 naïve café — ∑∫ 한국어 🇯🇵"
@@ -175,3 +175,24 @@ def test_property_stop_strings(tok, text, seed, data):
     assert "".join(pieces) == (full if hit is None else full[: hit[0]])
     assert d.matched_stop == (None if hit is None else hit[1])
     assert not any(FFFD in p for p in pieces)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ids=st.lists(st.integers(0, 49151), max_size=12), skip=st.booleans())
+def test_the_rust_decode_gives_what_the_tokenizers_decode_gives(tok, ids, skip):
+    backend = decode_backend(tok)
+    assert backend is not None  # the embedded tokenizer skips transformers' wrapper
+    assert backend.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_a_tokenizer_whose_decode_post_processes_decodes_through_it():
+    class Cleaning:  # a fast tokenizer whose decode does more than its backend's
+        clean_up_tokenization_spaces = True
+        backend_tokenizer = object()
+
+        def decode(self, ids, skip_special_tokens, spaces_between_special_tokens):
+            return "".join(chr(ord("a") + i) for i in ids)
+
+    assert decode_backend(Cleaning()) is None
+    d = IncrementalDetokenizer(Cleaning())
+    assert d.feed([0, 1]) + d.feed([2]) + d.finish() == "abc"
