@@ -26,6 +26,7 @@ took 0.27-0.28 ms a call, the float16 ones 0.23 ms (bf16 KV: 0.25 ms)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -48,19 +49,23 @@ MAX_BLOCK_H = 64
 PREFETCH_MAX_BATCH = 1
 # A float8 pool's stage 1 waits on memory more than bf16's (its 247-255 registers leave two programs a
 # multiprocessor): a sweep of that kernel on an H200 (256 x 1024 tokens) took 0.189 ms with 5 stages
-# against 0.217 with 3. ptxas (sm_90a): 75 KB of shared memory, 254 registers, no spills.
+# against 0.217 with 3. ptxas (sm_90a): 75 KB of shared memory, 254 registers, no spills; up to 198 KB
+# for a float32 q with 64 query heads a KV head. So 5 only where a block may have Hopper's 227 KB.
 FP8_NUM_STAGES = 5
+FP8_DEEP_MIN_SHARED = 227 * 1024
 MERGE_TILE = 8192  # float32 partials the merge loads at once (32 KB: 64 registers a thread of 4 warps)
 
 
-def stage1_config(head_dim: int, kv_bytes: int = 2) -> dict[str, int]:
+def stage1_config(head_dim: int, kv_bytes: int = 2, shared_memory: int = 0) -> dict[str, int]:
     """BLOCK_N (KV tokens per inner step), num_warps, num_stages of stage 1. Picked on an H200 (bf16,
     32 query / 8 KV heads, D=128, page 16): 3 stages beat 2 by 1.2-2x (the indirect K/V loads need
     the deeper pipeline); BLOCK_N 32/64/128 and 4 or 8 warps were within noise of each other. A
     float8 pool (kv_bytes 1) takes blocks of 128: 0.213 ms against 0.232 with 64 (16 query / 8 KV
-    heads, 256 x 1024 tokens, H200), and FP8_NUM_STAGES."""
+    heads, 256 x 1024 tokens, H200), and FP8_NUM_STAGES where a block may have `shared_memory`
+    bytes of at least FP8_DEEP_MIN_SHARED."""
     if head_dim <= 128 and kv_bytes == 1:
-        return {"BLOCK_N": 128, "num_warps": 4, "num_stages": FP8_NUM_STAGES}
+        stages = FP8_NUM_STAGES if shared_memory >= FP8_DEEP_MIN_SHARED else 3
+        return {"BLOCK_N": 128, "num_warps": 4, "num_stages": stages}
     if head_dim <= 128:
         return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
@@ -309,6 +314,14 @@ def num_sms(device: torch.device) -> int:
     return 8
 
 
+@functools.cache
+def shared_memory_per_block(device: torch.device) -> int:
+    """The shared memory a CUDA block may opt into; 0 elsewhere (the interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return 0
+
+
 def decode_kv_splits(
     seq_lens: torch.Tensor,
     num_heads: int,
@@ -446,7 +459,7 @@ def decode_attention(
         FP16_DOT=is_fp8(k_buffer.dtype) and q.dtype != torch.float32,
         ONE_SPLIT=one_split,
         PREFETCH=batch <= PREFETCH_MAX_BATCH if prefetch is None else prefetch,
-        **stage1_config(head_dim, k_buffer.element_size()),
+        **stage1_config(head_dim, k_buffer.element_size(), shared_memory_per_block(q.device)),
         **pdl_options(q.device, batch),
     )
     return out

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from labkit.kernels import decode_attention, decode_kv_splits
-from labkit.kernels.decode import decode_semaphore_count
+from labkit.kernels.decode import FP8_DEEP_MIN_SHARED, FP8_NUM_STAGES, decode_semaphore_count, stage1_config
 from labkit.kernels.reference import reference_decode_attention
 
 CUDA = torch.cuda.is_available()
@@ -118,3 +118,9 @@ def test_split_heuristic_fills_the_device_but_respects_length():
     assert bound == 1 and splits.max().item() == 1  # enough programs already: no split
     splits, bound = decode_kv_splits(torch.tensor([100_000]), 32, 8, 132, 16, programs_per_sm=2)
     assert bound == 16 and splits.tolist() == [16]  # capped
+
+
+def test_a_float8_pool_takes_deep_pipelines_only_where_shared_memory_allows():
+    assert stage1_config(128, 1, FP8_DEEP_MIN_SHARED)["num_stages"] == FP8_NUM_STAGES  # Hopper
+    assert stage1_config(128, 1, 164 * 1024)["num_stages"] == 3  # an A100's 164 KB
+    assert stage1_config(128, 2, FP8_DEEP_MIN_SHARED)["num_stages"] == 3  # 16-bit pools as timed
