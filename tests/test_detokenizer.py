@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from labkit.tokenizer import IncrementalDetokenizer
-from labkit.tokenizer.detokenizer import decode_backend, find_stop, partial_stop_len
+from labkit.tokenizer.detokenizer import TokenDecoder, find_stop, partial_stop_len
 
 FFFD = "\ufffd"
 MULTIBYTE = "你好，世界！😀🎉👍🏽 naïve café — ∑∫ 한국어 🇯🇵"
@@ -180,9 +180,9 @@ def test_property_stop_strings(tok, text, seed, data):
 @settings(max_examples=40, deadline=None)
 @given(ids=st.lists(st.integers(0, 49151), max_size=12), skip=st.booleans())
 def test_the_rust_decode_gives_what_the_tokenizers_decode_gives(tok, ids, skip):
-    backend = decode_backend(tok)
-    assert backend is not None  # the embedded tokenizer skips transformers' wrapper
-    assert backend.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+    decoder = TokenDecoder(tok)
+    assert decoder.backend is not None  # the embedded tokenizer skips transformers' wrapper
+    assert decoder.decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
 
 
 def test_a_tokenizer_whose_decode_post_processes_decodes_through_it():
@@ -193,6 +193,6 @@ def test_a_tokenizer_whose_decode_post_processes_decodes_through_it():
         def decode(self, ids, skip_special_tokens, spaces_between_special_tokens):
             return "".join(chr(ord("a") + i) for i in ids)
 
-    assert decode_backend(Cleaning()) is None
+    assert TokenDecoder(Cleaning()).backend is None
     d = IncrementalDetokenizer(Cleaning())
     assert d.feed([0, 1]) + d.feed([2]) + d.finish() == "abc"

@@ -60,15 +60,26 @@ def partial_stop_len(text: str, stops: Sequence[str]) -> int:
     return longest
 
 
-def decode_backend(tokenizer: Any) -> Any:
-    """The Rust tokenizer behind a fast tokenizer whose decode adds no Python post-processing (no
-    clean_up_tokenization_spaces), else None. Decoding through it gives what tokenizer.decode gives
-    without transformers' wrapper, which costs several times the decode itself: a decode step makes
-    two calls per request (a step of 16 requests with the embedded tokenizer, on the 2-core machine:
-    101 us through the wrapper, 45 us without; benchmarks/test_bench_detokenizer.py)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    plain = not getattr(tokenizer, "clean_up_tokenization_spaces", True)
-    return backend if plain and hasattr(backend, "decode") else None
+class TokenDecoder:
+    """tokenizer.decode(ids, ...). A fast tokenizer whose decode adds no Python post-processing (no
+    clean_up_tokenization_spaces) decodes through its Rust tokenizer directly: transformers'
+    wrapper costs several times the decode itself, and a decode step decodes twice per request to
+    detokenize (a step of 16 requests with the embedded tokenizer, on the 2-core machine: 101 us
+    through the wrapper, 45 us without; benchmarks/test_bench_detokenizer.py), once more per request
+    with stop strings (Req.check_finished)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        plain = not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        self.backend = backend if plain and hasattr(backend, "decode") else None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool, spaces_between_special_tokens: bool = True) -> str:
+        if self.backend is not None:  # a fast tokenizer ignores spaces_between_special_tokens
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens
+        )
 
 
 class IncrementalDetokenizer:
@@ -86,8 +97,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
     ) -> None:
-        self.tokenizer = tokenizer
-        self.backend = decode_backend(tokenizer)
+        self.decoder = TokenDecoder(tokenizer)
         self.stop = [stop] if isinstance(stop, str) else list(stop)
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
@@ -127,13 +137,7 @@ class IncrementalDetokenizer:
         return self._emit(final=True)
 
     def _decode(self, ids: list[int]) -> str:
-        if self.backend is not None:  # a fast tokenizer ignores spaces_between_special_tokens
-            return self.backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
-        return self.tokenizer.decode(
-            ids,
-            skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-        )
+        return self.decoder.decode(ids, self.skip_special_tokens, self.spaces_between_special_tokens)
 
     def _window_text(self) -> str:
         """Text the unread tokens add, decoded with the previous chunk as context."""
