@@ -282,11 +282,11 @@ def launch_args(
     """The grid, arguments and keyword arguments (constexprs, launch options) of a GEMV launch:
     _gemv_kernel's, which a kernel built on gemv_sums starts its own with."""
     n, k = weight.shape
-    pdl = pdl_options(row.device, 1)
-    split_k = split.split_k or gemv_split_k(n, k, num_sms(row.device), pdl["PDL"])
+    pdl, sms = pdl_options(row.device, 1), num_sms(row.device)
+    split_k = split.split_k or gemv_split_k(n, k, sms, pdl["PDL"])
     if split_k & (split_k - 1) or not 1 <= split_k <= MAX_SPLIT_K:
         raise ValueError(f"split_k must be a power of two in [1, {MAX_SPLIT_K}], got {split_k}")
-    shape = split.tiles or default_tiles(n, k, num_sms(row.device), split_k)
+    shape = split.tiles or default_tiles(n, k, sms, split_k)
     tiles = triton.cdiv(n, shape.block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), shape.block_k) * shape.block_k
     partial = sq = semaphores = row  # never read with one split
