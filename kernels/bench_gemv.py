@@ -78,9 +78,14 @@ def gemv_us(x: torch.Tensor, weights: list[torch.Tensor], split: Split) -> float
     return replayed_us([lambda w=w: gemv(x, w, None, split) for w in weights])
 
 
+def chosen_split(n: int, k: int, device: torch.device) -> int:
+    """The split gemv_split_k picks for a launch of a one-row GEMV on this device (PDL or not)."""
+    return gemv_split_k(n, k, num_sms(device), pdl_options(device, 1)["PDL"])
+
+
 def sweep(n: int, k: int, x: torch.Tensor, weights: list[torch.Tensor]) -> None:
     """Every tile shape at the chosen split, fastest first (what default_tiles was picked from)."""
-    split_k = gemv_split_k(n, k, num_sms(x.device), pdl_options(x.device, 1)["PDL"])
+    split_k = chosen_split(n, k, x.device)
     semaphores = torch.zeros(triton.cdiv(n, min(SWEEP_BLOCK_N)), dtype=torch.int32, device="cuda")
     k_split = triton.cdiv(k, split_k)
     times = {}
@@ -147,7 +152,7 @@ def main() -> None:
         ours = gemv_us(x, weights, Split(None, semaphores))
         each = "".join(f" {gemv_us(x, weights, Split(s, semaphores)):8.2f}" for s in splits)
         mb = n * k * 2 / 1e6
-        chosen = gemv_split_k(n, k, num_sms(x.device), pdl_options(x.device, 1)["PDL"])
+        chosen = chosen_split(n, k, x.device)
         print(
             f"{name:28} {n:6} {k:6} {mb:6.1f} {cublas:10.2f} {mb / cublas:5.2f} {chosen:5} {ours:8.2f} {mb / ours:5.2f}"
             f"{each}"

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from labkit.kernels.decode import shared_memory_per_block
 from labkit.kernels.moe_align import moe_align_block_size
 
 CONFIG_KEYS = ("SORTED", "BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
@@ -221,7 +222,7 @@ def _stages_that_fit(tiles: dict[str, int], element_size: int, gated: bool, devi
     stages = tiles.get("num_stages", 3)
     if device.type != "cuda":
         return stages
-    limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    limit = shared_memory_per_block(device)
     m, n, k = tiles["BLOCK_SIZE_M"], tiles["BLOCK_SIZE_N"], tiles["BLOCK_SIZE_K"]
     per_stage = (m * k + (2 if gated else 1) * n * k) * element_size
     return max(1, min(stages, limit // per_stage))

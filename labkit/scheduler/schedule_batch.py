@@ -23,7 +23,7 @@ from labkit.model_executor.future_map import FutureMap
 from labkit.reprs import Summarized
 from labkit.sampling.sampling_params import SamplingParams
 from labkit.speculative.verify import SpecState
-from labkit.tokenizer.detokenizer import TokenDecoder, find_stop
+from labkit.tokenizer.detokenizer import find_stop
 
 EMPTY_INDICES = torch.empty((0,), dtype=torch.int64)
 
@@ -183,7 +183,7 @@ class Req(Summarized):
         if params.stop and tokenizer is not None:
             # Decode just the tail: long enough to hold any stop string plus the newest token.
             window = max(len(s) for s in params.stop) + 8
-            tail = TokenDecoder(tokenizer).decode(self.output_ids[-window:], params.skip_special_tokens)
+            tail = tokenizer.decode(self.output_ids[-window:], skip_special_tokens=params.skip_special_tokens)
             found = find_stop(tail, params.stop)  # the same choice the detokenizer makes
             if found is not None:
                 return found[1]

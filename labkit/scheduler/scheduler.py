@@ -33,6 +33,7 @@ from labkit.scheduler.scheduler_metrics import SchedulerMetricsMixin
 from labkit.scheduler.speculation import SchedulerSpecMixin
 from labkit.scheduler.tp_sync import SchedulerCall, SchedulerTPMixin
 from labkit.speculative.step_costs import RealizedGains, StepCosts
+from labkit.tokenizer.detokenizer import TokenDecoder
 from labkit.trace.events import Station
 from labkit.trace.recorder import Tracer
 
@@ -80,6 +81,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         self.config = config
         self.model_runner = model_runner
         self.tokenizer = tokenizer
+        # What Req.check_finished decodes stop strings with, every step: the tokenizer's fast decode.
+        self.stop_decoder = TokenDecoder(tokenizer) if tokenizer is not None else None
         self.tracer = tracer
         self.tp = model_runner.tp
         self._tp_outbox = []  # inputs the leader took since its last broadcast (labkit.scheduler.tp_sync)
@@ -506,7 +509,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
             if req.sampling_params.top_logprobs_num and result.top_logprobs is not None:
                 ids, lps = result.top_logprobs[row]
                 req.output_top_logprobs.append(list(zip(ids, lps)))
-        req.check_finished(self.model_runner.eos_token_ids, self.tokenizer, self.max_req_len)
+        req.check_finished(self.model_runner.eos_token_ids, self.stop_decoder, self.max_req_len)
 
     def _finish(self, req: Req, in_next_batch: bool) -> None:
         if req in self.running:

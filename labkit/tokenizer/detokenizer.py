@@ -61,7 +61,8 @@ def partial_stop_len(text: str, stops: Sequence[str]) -> int:
 
 
 class TokenDecoder:
-    """tokenizer.decode(ids, ...). A fast tokenizer whose decode adds no Python post-processing (no
+    """tokenizer.decode(token_ids, ...), and a tokenizer where only decode is asked of one (the
+    scheduler's stop strings). A fast tokenizer whose decode adds no Python post-processing (no
     clean_up_tokenization_spaces) decodes through its Rust tokenizer directly: transformers'
     wrapper costs several times the decode itself, and a decode step decodes twice per request to
     detokenize (a step of 16 requests with the embedded tokenizer, on the 2-core machine: 101 us
@@ -74,11 +75,15 @@ class TokenDecoder:
         plain = not getattr(tokenizer, "clean_up_tokenization_spaces", True)
         self.backend = backend if plain and hasattr(backend, "decode") else None
 
-    def decode(self, ids: list[int], skip_special_tokens: bool, spaces_between_special_tokens: bool = True) -> str:
+    def decode(
+        self, token_ids: list[int], skip_special_tokens: bool = False, spaces_between_special_tokens: bool = True
+    ) -> str:
         if self.backend is not None:  # a fast tokenizer ignores spaces_between_special_tokens
-            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+            return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode(
-            ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens
+            token_ids,
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens,
         )
 
 
