@@ -15,10 +15,12 @@ least --min-requests requests and --min-groups groups (a multiple of b), submitt
 through `Engine.generate(list)`, groups one after another. Greedy, EOS allowed: output tokens/s
 counts the tokens each request actually produced, and every speculative output is checked against
 the plain one of the same round (greedy: they should be equal; `mismatch` counts the requests that
-differed in any round). Every engine is warmed up once; each round runs every engine in turn (the
-order reversed every other round), so a shared machine's slow spells hit them alike, and the
-speed-up is the median over the rounds of each round's ratio to the plain engine; the cache is
-flushed before each run.
+differed in any round). Every engine is warmed up once; in each round the engines take turns group
+by group (the order reversed from one group to the next), so a shared machine's slow spells hit them
+alike; a round's rate is its tokens over its seconds, and the speed-up is the median over the rounds
+of each round's ratio to the plain engine, with a distribution-free 95% confidence interval
+(labkit.bench.stats.median_ci; the whole range up to 8 rounds). The cache is flushed before each
+group.
 Acceptance length = (accepted drafts + verify steps) / verify steps, the tokens one verify forward
 yields; acceptance rate = accepted / drafted; from drafts = accepted / output tokens, how much of
 the output verify steps took from the drafts (what makes a workload copy-heavy). The `draft` drafter
@@ -44,6 +46,7 @@ from typing import Any
 import torch
 
 from labkit import Engine
+from labkit.bench.stats import median_ci
 from labkit.tokenizer.prompt import encode_prompt
 
 WORKLOAD_FILE = Path(__file__).resolve().parents[2] / "data" / "workloads" / "speculative.json"
@@ -70,6 +73,8 @@ class Row:
     tok_s_min: float
     tok_s_max: float
     speedup: float  # median over the rounds of tok/s over plain's in the same round
+    speedup_lo: float  # its 95% confidence interval (labkit.bench.stats.median_ci)
+    speedup_hi: float
     accept_len: float  # (accepted + verify steps) / verify steps; 1.0 for plain
     accept_rate: float  # accepted / drafted
     from_drafts: float  # accepted / output tokens
@@ -131,16 +136,13 @@ def _requests(
     return [[prompts[(g * batch_size + i) % len(prompts)] for i in range(batch_size)] for g in range(groups)]
 
 
-def _run(engine: Engine, groups: list[list[list[int]]], params: dict[str, Any]) -> tuple[float, list[dict]]:
-    """Seconds for the groups one after another, and every request's result."""
+def _run_group(engine: Engine, group: list[list[int]], params: dict[str, Any]) -> tuple[float, list[dict]]:
+    """Seconds for one group of requests submitted together, from an empty cache, and their results."""
     engine.flush_cache()
-    outs: list[dict] = []
     start = time.perf_counter()
-    for group in groups:
-        result = engine.generate(input_ids=group, sampling_params=params)
-        assert isinstance(result, list)
-        outs += result
-    return time.perf_counter() - start, outs
+    result = engine.generate(input_ids=group, sampling_params=params)
+    assert isinstance(result, list)
+    return time.perf_counter() - start, result
 
 
 def bench(
@@ -166,13 +168,16 @@ def bench(
             last: dict[str, list[dict]] = {}
             differed: dict[str, set[int]] = {name: set() for name in engines}
             for round_ in range(repeats):
-                order = list(engines) if round_ % 2 == 0 else list(reversed(engines))  # neither always first
-                for name in order:
-                    seconds, outs = _run(engines[name], groups, params)
-                    rates[name].append(sum(o["meta_info"]["completion_tokens"] for o in outs) / seconds)
-                    last[name] = outs
+                seconds = dict.fromkeys(engines, 0.0)
+                last = {name: [] for name in engines}
+                for g, group in enumerate(groups):  # the engines take turns group by group, neither always first
+                    for name in list(engines) if (round_ + g) % 2 == 0 else list(reversed(engines)):
+                        took, outs = _run_group(engines[name], group, params)
+                        seconds[name] += took
+                        last[name] += outs
+                plain_ids = [o["output_ids"] for o in last[PLAIN]]
                 for name, outs in last.items():
-                    plain_ids = [o["output_ids"] for o in last[PLAIN]]
+                    rates[name].append(sum(o["meta_info"]["completion_tokens"] for o in outs) / seconds[name])
                     differed[name] |= {i for i, o in enumerate(outs) if o["output_ids"] != plain_ids[i]}
             done = ", ".join(f"{name} {statistics.median(r):.1f}" for name, r in rates.items())
             ratios = "; ".join(
@@ -196,6 +201,8 @@ def _row(
         sum(m[key] for m in metas) for key in ("spec_verify_ct", "spec_draft_tokens", "spec_accepted_tokens")
     )
     rate = statistics.median(rates)
+    ratios = [r / p for r, p in zip(rates, plain_rates)]
+    low, high = median_ci(ratios)
     return Row(
         workload=workload,
         batch_size=bs,
@@ -205,7 +212,9 @@ def _row(
         tok_s=rate,
         tok_s_min=min(rates),
         tok_s_max=max(rates),
-        speedup=statistics.median(r / p for r, p in zip(rates, plain_rates)),
+        speedup=statistics.median(ratios),
+        speedup_lo=low,
+        speedup_hi=high,
         accept_len=(accepted + verify) / verify if verify else 1.0,
         accept_rate=accepted / drafted if drafted else 0.0,
         from_drafts=accepted / max(1, sum(m["completion_tokens"] for m in metas)),
@@ -216,7 +225,7 @@ def _row(
 
 def markdown_table(rows: list[Row]) -> str:
     lines = [
-        "| workload | batch | algorithm | requests | out tokens | out tok/s (min-max) | speed-up | accept len "
+        "| workload | batch | algorithm | requests | out tokens | out tok/s (min-max) | speed-up (95% CI) | accept len "
         "| accept rate | from drafts | verify steps/req | mismatch |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -224,9 +233,10 @@ def markdown_table(rows: list[Row]) -> str:
         spec = r.algorithm != PLAIN
         accept = f"{r.accept_len:.2f} | {r.accept_rate:.0%} | {r.from_drafts:.0%} | {r.verify_steps:.1f}"
         accept = accept if spec else "- | - | - | -"
+        speedup = f"{r.speedup:.2f}x ({r.speedup_lo:.2f}-{r.speedup_hi:.2f})" if spec else "1.00x"
         lines.append(
             f"| {r.workload} | {r.batch_size} | {r.algorithm} | {r.requests} | {r.output_tokens} "
-            f"| {r.tok_s:.1f} ({r.tok_s_min:.1f}-{r.tok_s_max:.1f}) | {r.speedup:.2f}x | {accept} "
+            f"| {r.tok_s:.1f} ({r.tok_s_min:.1f}-{r.tok_s_max:.1f}) | {speedup} | {accept} "
             f"| {r.mismatches if spec else '-'} |"
         )
     return "\n".join(lines)

@@ -31,9 +31,11 @@ def test_bench_rows_on_a_tiny_model(capsys):
         assert r.output_tokens == 12 * r.requests  # EOS ignored
         assert 0 < r.tok_s_min <= r.tok_s <= r.tok_s_max
         assert r.mismatches == 0  # greedy: speculation changes no token
+        assert 0 < r.speedup_lo <= r.speedup <= r.speedup_hi
         assert 0.0 <= r.accept_rate <= 1.0 and r.verify_steps >= 0
         if r.algorithm == PLAIN:
-            assert (r.speedup, r.accept_len, r.accept_rate, r.verify_steps, r.from_drafts) == (1.0, 1.0, 0.0, 0.0, 0.0)
+            assert (r.speedup, r.speedup_lo, r.speedup_hi, r.accept_len) == (1.0, 1.0, 1.0, 1.0)
+            assert (r.accept_rate, r.verify_steps, r.from_drafts) == (0.0, 0.0, 0.0)
         else:
             assert 1.0 <= r.accept_len <= 1 + 3 and r.verify_steps > 0
     draft = [r for r in rows if r.algorithm == "draft"]
