@@ -20,7 +20,7 @@ from labkit.model_executor.forward_batch import ForwardMode
 from labkit.scheduler.batch_memory import alloc_for_verify, rejected_slots
 from labkit.scheduler.schedule_batch import needs_host_history
 from labkit.speculative.base import Drafter, LeaderDrafts, get_drafter
-from labkit.speculative.step_costs import RealizedGains, StepCosts
+from labkit.speculative.step_costs import RealizedGains, StepCosts, weigh
 from labkit.speculative.verify import accept, verify_rows
 
 if TYPE_CHECKING:
@@ -140,24 +140,24 @@ class SchedulerSpecMixin:
     def worth_drafting(self, reqs: list[Req], budgets: list[int]) -> bool:
         """Whether drafting pays for this batch: the tokens its requests are expected to gain reach
         the break-even gain per request of the batch. Expected per request: the mean of each
-        request's recent acceptance rate times its drafts, in a batch of several no more than what
-        the recent verify steps of batches of about its size realized (labkit.speculative.
-        step_costs.RealizedGains); and, unless requests wait, in part the batch's least gain: where a
-        decode step costs the same at any batch size, tokens gained by a request that is not the
-        batch's last to finish shorten nothing (batch_share weighs the two).
+        request's recent acceptance rate times its drafts, and, unless requests wait, in part the
+        batch's least such gain (weigh): where a decode step costs the same at any batch size,
+        tokens gained by a request that is not the batch's last to finish shorten nothing
+        (batch_share weighs the two). In a batch of several, neither more than what the recent
+        verify steps of batches of about its size realized (labkit.speculative.step_costs.
+        RealizedGains): a request's rate is an average over its verify steps, and the least of a
+        batch's requests in one step keeps less than the least of their averages.
         Break-even: speculative_min_batch_gain when set, else what this machine's step times say
         (labkit.speculative.step_costs; 1.0 until both kinds of step were timed at this batch size).
         One drafting request makes the whole batch a verify step, whose tokens the host waits for."""
         if not any(budgets):
             return False
         gains = [r.spec.recent_rate * b for r, b in zip(reqs, budgets)]
-        mean = sum(gains) / len(gains)
+        mean, least = sum(gains) / len(gains), min(gains)
         realized = self.realized_gain(len(reqs))
         if realized is not None:
-            mean = min(mean, realized)
-        share = self.batch_share(len(reqs))
-        expected = share * mean + (1 - share) * min(min(gains), mean)
-        return expected >= self.break_even(len(reqs))
+            mean, least = min(mean, realized[0]), min(least, realized[1])
+        return weigh(mean, least, self.batch_share(len(reqs))) >= self.break_even(len(reqs))
 
     def batch_share(self, batch_size: int) -> float:
         """How much of the batch's mean gain counts (worth_drafting): 1 alone, when requests wait (a
@@ -169,10 +169,10 @@ class SchedulerSpecMixin:
             return 1.0
         return self.step_costs.batch_share(batch_size, 1.0)
 
-    def realized_gain(self, batch_size: int) -> float | None:
-        """What the recent verify steps of batches of about this size realized per request (RealizedGains);
-        None alone (a request's own rate is what its verify steps realized), under a fixed
-        speculative_min_batch_gain, or when no gain is recent."""
+    def realized_gain(self, batch_size: int) -> tuple[float, float] | None:
+        """What the recent verify steps of batches of about this size realized per request, mean and
+        least (RealizedGains); None alone (a request's own rate is what its verify steps realized),
+        under a fixed speculative_min_batch_gain, or when no gain is recent."""
         if self.config.speculative_min_batch_gain is not None or batch_size < 2:
             return None
         return self.realized_gains.recent(self.step_id, batch_size)
@@ -183,10 +183,15 @@ class SchedulerSpecMixin:
         verify steps realized less than the break-even (worth_drafting would cap its expected gain
         there). It runs before every decode step, on the host's share of the step."""
         realized = self.realized_gain(len(reqs))
-        if realized is not None and realized < self.break_even(len(reqs)):
+        if realized is not None and weigh(*realized, self.batch_share(len(reqs))) < self.break_even(len(reqs)):
             return None
         budgets = self.draft_budgets(reqs)
         return budgets if self.worth_drafting(reqs, budgets) else None
+
+    def record_gains(self, batch_size: int, accepted: int, least: float | None) -> None:
+        """A verify step's realized gains (RealizedGains.record), weighed as worth_drafting weighs."""
+        share = self.batch_share(batch_size)
+        self.realized_gains.record(self.step_id, batch_size, accepted, self.break_even(batch_size), share, least)
 
     def break_even(self, batch_size: int) -> float:
         """Accepted drafts per request at which a verify step of batch_size requests pays:
@@ -227,7 +232,7 @@ class SchedulerSpecMixin:
         ):
             # A batch that drafted and found nothing worth verifying (no drafts, too few, no free
             # pages) gained nothing from it: a fruitless probe, as a verify step that kept nothing.
-            self.realized_gains.record(self.step_id, len(batch.reqs), 0, self.break_even(len(batch.reqs)))
+            self.record_gains(len(batch.reqs), 0, 0)
             return False
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.drafts = drafts
@@ -251,7 +256,7 @@ class SchedulerSpecMixin:
         target_ids = result.next_token_ids.tolist()
         logprobs = result.logprobs.tolist() if result.logprobs is not None else None
         row = 0
-        rejected, finished = [], []
+        rejected, finished, going_on = [], [], []  # going_on: drafts kept by requests still running
         for i, (req, draft, gained) in enumerate(zip(batch.reqs, batch.drafts, accept(batch.drafts, target_ids))):
             first, row = row, row + 1 + len(draft)
             if ahead and req.finished():  # by the token taken in flight
@@ -274,9 +279,10 @@ class SchedulerSpecMixin:
                 out.drafts[req.rid], out.accepted[req.rid] = draft, accepted
             if req.finished():
                 finished.append(req)
+            else:
+                going_on.append(out.accepted.get(req.rid, 0))
         out.rollback_slots += sum(-(-len(slots) // self.page_size) * self.page_size for slots in rejected)
-        kept_drafts = sum(out.accepted.values())
-        self.realized_gains.record(self.step_id, len(batch.reqs), kept_drafts, self.break_even(len(batch.reqs)))
+        self.record_gains(len(batch.reqs), sum(out.accepted.values()), min(going_on, default=None))
         # One free for the batch (a free costs a few tensor ops, whatever its size), before the
         # finished requests hand the rest of their KV to the cache.
         self.allocator.free(torch.cat(rejected))

@@ -97,34 +97,58 @@ GAIN_MEMORY_STEPS = 64  # a verify step's realized gain counts for this many sch
 MAX_GAIN_MEMORY_STEPS = 1024  # and at most this many after fruitless verify steps in a row
 
 
+def weigh(mean: float, least: float, share: float) -> float:
+    """A batch's gain per request as it shortens the batch: its mean gain where the batch's decode
+    step grows with its size (share 1: each request's tokens save their share of a step), its least
+    where the step costs the same at any size (share 0: the batch lasts until its slowest request
+    ends), in proportion between."""
+    return share * mean + (1 - share) * min(least, mean)
+
+
 @dataclass
 class RealizedGains:
-    """What the recent verify steps of batches of several requests actually yielded, in accepted
-    drafts per request of the batch, by batch-size bucket (as StepCosts: a batch of 2 that loops on
-    its answers says nothing of a batch of 16). The requests' acceptance rates are each request's
-    own; a batch also pays for the rows of requests that draft nothing, and the drafts that do land
-    are often those of requests about to finish anyway. A gain expires after its bucket's `memory`
-    steps, so a batch that stopped drafting tries again later: GAIN_MEMORY_STEPS, doubled by each
-    verify step that fell short of the break-even (each such probe costs a verify step's price for
-    nothing), reset by one that reached it. Computed from tokens only: every tensor-parallel rank
-    agrees."""
+    """What the recent verify steps of batches of several requests actually yielded, by batch-size
+    bucket (as StepCosts: a batch of 2 that loops on its answers says nothing of a batch of 16): the
+    accepted drafts per request of the batch (the mean), and the fewest that any request going on
+    after the step kept (the least). The requests' acceptance rates are each request's own; a batch
+    also pays for the rows of requests that draft nothing, the drafts that do land are often those
+    of requests about to finish anyway, and a request's rate says little of what the batch's
+    unluckiest request keeps in one step. A gain expires after its bucket's `memory` steps, so a
+    batch that stopped drafting tries again later: GAIN_MEMORY_STEPS, doubled by each verify step
+    whose weighed gain (weigh, with the batch share of its step) fell short of the break-even (each
+    such probe costs a verify step's price for nothing), reset by one that reached it. Computed from
+    tokens only: every tensor-parallel rank agrees."""
 
-    gains: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # bucket -> (step, gain)
+    gains: dict[int, deque[tuple[int, float, float]]] = field(default_factory=dict)  # bucket -> (step, mean, least)
     memory: dict[int, int] = field(default_factory=dict)  # bucket -> steps a gain counts for
 
-    def record(self, step: int, batch_size: int, accepted: int, break_even: float) -> None:
+    def record(
+        self,
+        step: int,
+        batch_size: int,
+        accepted: int,
+        break_even: float,
+        share: float = 1.0,
+        least: float | None = None,
+    ) -> None:
+        """A verify step of batch_size requests that accepted `accepted` drafts in all, the fewest of
+        them (`least`) by a request going on after it (one it finished holds the batch no longer;
+        None: all finished, or not known apart from the mean)."""
         if batch_size > 1:  # alone, a request's own rate is what its verify steps realized
-            b, gain = bucket(batch_size), accepted / batch_size
-            self.gains.setdefault(b, deque(maxlen=SAMPLES)).append((step, gain))
+            b, mean = bucket(batch_size), accepted / batch_size
+            least = mean if least is None else least
+            self.gains.setdefault(b, deque(maxlen=SAMPLES)).append((step, mean, least))
             longer = min(2 * self.memory_of(batch_size), MAX_GAIN_MEMORY_STEPS)
-            self.memory[b] = GAIN_MEMORY_STEPS if gain >= break_even else longer
+            self.memory[b] = GAIN_MEMORY_STEPS if weigh(mean, least, share) >= break_even else longer
 
     def memory_of(self, batch_size: int) -> int:
         return self.memory.get(bucket(batch_size), GAIN_MEMORY_STEPS)
 
-    def recent(self, step: int, batch_size: int) -> float | None:
-        """The mean gain per request of the unexpired verify steps of this batch size's bucket; None
-        when there is none."""
+    def recent(self, step: int, batch_size: int) -> tuple[float, float] | None:
+        """The mean gain per request and the mean least gain of the unexpired verify steps of this
+        batch size's bucket; None when there is none."""
         memory = self.memory_of(batch_size)
-        live = [g for s, g in self.gains.get(bucket(batch_size), ()) if step - s < memory]
-        return sum(live) / len(live) if live else None
+        live = [(mean, least) for s, mean, least in self.gains.get(bucket(batch_size), ()) if step - s < memory]
+        if not live:
+            return None
+        return sum(m for m, _ in live) / len(live), sum(least for _, least in live) / len(live)

@@ -15,6 +15,7 @@ from labkit.speculative.step_costs import (
     RealizedGains,
     StepCosts,
     bucket,
+    weigh,
 )
 from labkit.speculative.verify import SpecState
 
@@ -71,13 +72,27 @@ def test_realized_gains_are_per_request_of_batches_of_several_by_size_and_expire
     gains = RealizedGains()
     assert gains.recent(0, 16) is None
     gains.record(10, 16, accepted=8, break_even=0.5)  # half a token per request
-    gains.record(11, 20, accepted=30, break_even=0.5)  # 16-31: the same bucket
+    gains.record(11, 20, accepted=30, break_even=0.5, least=0)  # 16-31: the same bucket; one kept none
     gains.record(12, 4, accepted=6, break_even=0.5)  # 4-7: another
     gains.record(12, 1, accepted=4, break_even=0.5)  # alone: not a batch's gain
-    assert abs(gains.recent(12, 16) - (0.5 + 1.5) / 2) < 1e-9
-    assert abs(gains.recent(12, 5) - 1.5) < 1e-9 and gains.recent(12, 1) is None
-    assert abs(gains.recent(10 + GAIN_MEMORY_STEPS, 16) - 1.5) < 1e-9  # the step-10 gain expired
+    assert gains.recent(12, 16) == pytest.approx(((0.5 + 1.5) / 2, (0.5 + 0) / 2))  # the least: the mean if unknown
+    assert gains.recent(12, 5) == pytest.approx((1.5, 1.5)) and gains.recent(12, 1) is None
+    assert gains.recent(10 + GAIN_MEMORY_STEPS, 16) == pytest.approx((1.5, 0))  # the step-10 gain expired
     assert gains.recent(12 + GAIN_MEMORY_STEPS, 4) is None
+
+
+def test_weigh_takes_the_mean_where_steps_grow_with_the_batch_and_the_least_where_they_do_not():
+    assert weigh(3.0, 1.0, share=1.0) == 3.0
+    assert weigh(3.0, 1.0, share=0.0) == 1.0
+    assert weigh(3.0, 1.0, share=0.25) == 0.25 * 3 + 0.75 * 1
+    assert weigh(1.0, 3.0, share=0.0) == 1.0  # a least above the mean (it left out finished requests) counts no more
+
+
+def test_a_verify_step_whose_least_gain_falls_short_makes_the_next_probe_wait_where_the_least_counts():
+    for share, memory in ((1.0, GAIN_MEMORY_STEPS), (0.0, 2 * GAIN_MEMORY_STEPS)):
+        gains = RealizedGains()
+        gains.record(0, 4, accepted=16, break_even=2.0, share=share, least=0)  # 4 each on average; one kept none
+        assert gains.memory_of(4) == memory
 
 
 def test_fruitless_verify_steps_in_a_row_make_the_next_probe_wait_longer():
@@ -86,7 +101,7 @@ def test_fruitless_verify_steps_in_a_row_make_the_next_probe_wait_longer():
     for memory in (2, 4, 8, 16):  # each probe short of the break-even doubles the wait
         gains.record(step, 8, accepted=0, break_even=1.0)
         assert gains.memory_of(8) == memory * GAIN_MEMORY_STEPS
-        assert gains.recent(step + gains.memory_of(8) - 1, 8) == 0.0
+        assert gains.recent(step + gains.memory_of(8) - 1, 8) == (0.0, 0.0)
         assert gains.recent(step + gains.memory_of(8), 8) is None
         step += gains.memory_of(8)
     assert gains.memory_of(2) == GAIN_MEMORY_STEPS  # other batch sizes probe as before
@@ -130,7 +145,7 @@ def test_drafting_for_nothing_is_a_fruitless_probe_timed_as_a_verify_step_only_i
     params = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0}
     engine.generate(input_ids=[[5, 6, 7], [8, 9, 10]], sampling_params=params)
     sched = engine.scheduler
-    assert sched.realized_gains.recent(sched.step_id, 2) == 0.0  # the attempts gained nothing
+    assert sched.realized_gains.recent(sched.step_id, 2) == (0.0, 0.0)  # the attempts gained nothing
     if drafts_ahead:  # it looked for drafts behind the token in flight: no overlap was given up
         assert not sched.step_costs.verify
         return
@@ -176,6 +191,21 @@ def test_where_steps_cost_the_same_at_any_size_and_none_wait_the_batch_least_gai
 
 
 @pytest.mark.parametrize("share", [0.0, 1.0])
+def test_a_batch_whose_verify_steps_left_one_request_without_gain_drafts_again_only_where_the_mean_counts(share):
+    from labkit import Engine
+
+    engine = Engine(model_path="tiny-llama", load_format="dummy", speculative_algorithm="ngram")
+    sched = engine.scheduler
+    sched.batch_share = lambda batch_size: share  # type: ignore[method-assign]
+    copying = [SimpleNamespace(spec=SpecState(recent_rate=1.0)) for _ in range(4)]
+    assert sched.worth_drafting(copying, [4] * 4)  # every rate says 4 per request
+    sched.record_gains(4, accepted=12, least=0)  # a verify step: 3 per request, but one request kept none
+    assert sched.worth_drafting(copying, [4] * 4) == (share == 1.0)
+    if share == 0.0:  # the early refusal agrees, without a pass over the requests
+        assert sched.drafting_budgets(copying) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0])
 def test_drafts_found_for_only_part_of_a_batch_verify_only_where_its_mean_gain_counts(monkeypatch, share):
     from labkit import Engine
     from labkit.speculative.base import DRAFTERS
@@ -198,6 +228,6 @@ def test_drafts_found_for_only_part_of_a_batch_verify_only_where_its_mean_gain_c
     verify_steps = [o["meta_info"]["spec_verify_ct"] for o in outs]
     if share == 0.0:  # the batch lasts as long as its request without drafts: no verify step pays
         assert verify_steps == [0, 0]
-        assert sched.realized_gains.recent(sched.step_id, 2) == 0.0  # the looks count as fruitless
+        assert sched.realized_gains.recent(sched.step_id, 2) == (0.0, 0.0)  # the looks count as fruitless
     else:
         assert verify_steps[0] > 0 and verify_steps[1] == 0
