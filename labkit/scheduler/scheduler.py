@@ -114,6 +114,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         self.drafter = self._make_drafter()
         self.step_costs = StepCosts()
         self.realized_gains = RealizedGains()
+        self.refused_until: dict[int, int] = {}  # labkit.scheduler.speculation.drafting_budgets
         self.spec_attempt = False  # this step gave up the overlap to draft (labkit.scheduler.speculation)
         # Overlap scheduling: the batch launched last step, whose tokens the host has not taken yet.
         # With speculation, a step that drafts waits for them first (drafts follow the newest tokens).

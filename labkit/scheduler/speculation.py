@@ -20,7 +20,7 @@ from labkit.model_executor.forward_batch import ForwardMode
 from labkit.scheduler.batch_memory import alloc_for_verify, rejected_slots
 from labkit.scheduler.schedule_batch import needs_host_history
 from labkit.speculative.base import Drafter, LeaderDrafts, get_drafter
-from labkit.speculative.step_costs import RealizedGains, StepCosts, weigh
+from labkit.speculative.step_costs import RealizedGains, StepCosts, bucket, weigh
 from labkit.speculative.verify import accept, verify_rows
 
 if TYPE_CHECKING:
@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 
 DEFAULT_BREAK_EVEN = 1.0  # accepted drafts per request, before this batch size's steps were timed
 EARLY_RESUME_MAX_BATCH = 4  # larger batches leave a paused request paused until its pause ends
+# A batch size refused by its realized gains is asked again after this many steps, not every step:
+# the answer moves only as gains expire (GAIN_MEMORY_STEPS or more) and the question costs each step.
+REFUSAL_HOLD_STEPS = 8
 
 
 class SchedulerSpecMixin:
@@ -53,6 +56,7 @@ class SchedulerSpecMixin:
     drafter: Drafter | None
     step_costs: StepCosts
     realized_gains: RealizedGains
+    refused_until: dict[int, int]  # batch-size bucket -> step from which drafting_budgets asks again
     spec_attempt: bool
     waiting_queue: list[Req]
     chunked_req: Req | None
@@ -181,9 +185,14 @@ class SchedulerSpecMixin:
         """draft_budgets(reqs) when worth_drafting says drafting pays for them, else None. The
         common refusal is decided first, without a pass over the requests: a batch whose recent
         verify steps realized less than the break-even (worth_drafting would cap its expected gain
-        there). It runs before every decode step, on the host's share of the step."""
+        there), held for REFUSAL_HOLD_STEPS. It runs before every decode step, on the host's share of
+        the step."""
+        size = bucket(len(reqs))
+        if self.step_id < self.refused_until.get(size, 0):
+            return None
         realized = self.realized_gain(len(reqs))
         if realized is not None and weigh(*realized, self.batch_share(len(reqs))) < self.break_even(len(reqs)):
+            self.refused_until[size] = self.step_id + REFUSAL_HOLD_STEPS
             return None
         budgets = self.draft_budgets(reqs)
         return budgets if self.worth_drafting(reqs, budgets) else None

@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 from labkit.model_executor.forward_batch import ForwardMode
 
 SAMPLES = 16  # the latest step times kept per kind and batch-size bucket (their median is used)
+# A bucket's decode times update its break-even and batch share at its 1st, 9th, 17th, ... decode step:
+# a median of 16 moves slowly, and recomputing it costs the host every step (verify steps, rare, always do).
+DECODE_REFRESH = 8
 
 
 def bucket(batch_size: int) -> int:
@@ -52,8 +55,10 @@ class StepCosts:
         if mode not in kinds or batch_size < 1:
             return
         b = bucket(batch_size)
-        self.counts[mode, b] = self.counts.get((mode, b), 0) + 1
+        count = self.counts[mode, b] = self.counts.get((mode, b), 0) + 1
         kinds[mode].setdefault(b, deque(maxlen=SAMPLES)).append(seconds)
+        if mode == ForwardMode.DECODE and count % DECODE_REFRESH != 1:
+            return
         if b in self.decode and b in self.verify:
             ratio = statistics.median(self.verify[b]) / statistics.median(self.decode[b])
             self.table[b] = max(0.0, ratio - 1.0)

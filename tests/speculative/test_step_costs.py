@@ -9,6 +9,7 @@ import pytest
 
 from labkit.model_executor.forward_batch import ForwardMode
 from labkit.speculative.step_costs import (
+    DECODE_REFRESH,
     GAIN_MEMORY_STEPS,
     MAX_GAIN_MEMORY_STEPS,
     SAMPLES,
@@ -152,6 +153,20 @@ def test_drafting_for_nothing_is_a_fruitless_probe_timed_as_a_verify_step_only_i
     assert sched.step_costs.verify and sched.step_costs.decode.keys() <= {1, 2}
 
 
+def test_decode_times_update_the_table_every_decode_refresh_steps_and_verify_times_at_once():
+    costs = StepCosts()
+    costs.record(DECODE, 16, 0.001)
+    costs.record(VERIFY, 16, 0.004)
+    assert costs.break_even(16, default=1.0) == 3.0  # timed both ways: at once
+    for _ in range(DECODE_REFRESH - 1):  # the bucket's 2nd to 8th decode steps: the table waits
+        costs.record(DECODE, 16, 0.002)
+        assert costs.break_even(16, default=1.0) == 3.0
+    costs.record(DECODE, 16, 0.002)  # the 9th: median 2 ms
+    assert costs.break_even(16, default=1.0) == 1.0
+    costs.record(VERIFY, 16, 0.008)  # verify steps update it every time: median 6 ms
+    assert costs.break_even(16, default=1.0) == 2.0
+
+
 def test_batch_share_is_the_part_of_a_decode_step_that_grows_with_its_batch():
     costs = StepCosts()
     costs.record(DECODE, 12, 0.002)
@@ -184,7 +199,7 @@ def test_where_steps_cost_the_same_at_any_size_and_none_wait_the_batch_least_gai
     sched.waiting_queue.append(SimpleNamespace())  # a request waits to take a finished one's place
     assert sched.worth_drafting(mixed, [4] * 4)  # mean gain 3 >= 1
     sched.waiting_queue.clear()
-    for _ in range(2):  # medians at 4-7 (middle 6): decode 4 ms, mostly per request; verify 8 ms
+    for _ in range(DECODE_REFRESH):  # medians at 4-7 (middle 6): decode 4 ms, mostly per request; verify 8 ms
         sched.step_costs.record(DECODE, 4, 0.004)
         sched.step_costs.record(VERIFY, 4, 0.008)
     assert sched.break_even(4) == 1.0 and sched.worth_drafting(mixed, [4] * 4)  # 0.9 x 3 + 0.1 x 0
@@ -203,6 +218,23 @@ def test_a_batch_whose_verify_steps_left_one_request_without_gain_drafts_again_o
     assert sched.worth_drafting(copying, [4] * 4) == (share == 1.0)
     if share == 0.0:  # the early refusal agrees, without a pass over the requests
         assert sched.drafting_budgets(copying) is None  # type: ignore[arg-type]
+
+
+def test_a_refusal_by_realized_gains_holds_for_refusal_hold_steps():
+    from labkit import Engine
+    from labkit.scheduler.speculation import REFUSAL_HOLD_STEPS
+
+    engine = Engine(model_path="tiny-llama", load_format="dummy", speculative_algorithm="ngram")
+    sched = engine.scheduler
+    copying = [SimpleNamespace(spec=SpecState(recent_rate=1.0)) for _ in range(4)]
+    sched.record_gains(4, accepted=0, least=0)  # a fruitless probe at batch 4
+    asked = []
+    sched.realized_gain = lambda batch_size: asked.append(batch_size) or (0.0, 0.0)  # type: ignore[method-assign]
+    for _ in range(REFUSAL_HOLD_STEPS):
+        assert sched.drafting_budgets(copying) is None  # type: ignore[arg-type]
+        sched.step_id += 1
+    assert asked == [4]  # refused once, then held without asking
+    assert sched.drafting_budgets(copying) is None and asked == [4, 4]  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("share", [0.0, 1.0])
