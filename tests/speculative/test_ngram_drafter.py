@@ -4,6 +4,7 @@ requests' outputs when sharing is on."""
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 from labkit.config import EngineConfig
@@ -15,6 +16,23 @@ def indexed(ids: list[int], min_n: int = 1, max_n: int = 3) -> NgramIndex:
     index = NgramIndex(min_n, max_n)
     index.extend(ids)
     return index
+
+
+def test_extend_in_pieces_indexes_every_earlier_n_gram_by_its_ends_in_order():
+    rng = random.Random(0)
+    for _ in range(500):
+        min_n = rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        pieces = [[rng.randrange(5) for _ in range(rng.choice([0, 1, 2, 5, 17]))] for _ in range(rng.randint(1, 6))]
+        index = NgramIndex(min_n, max_n)
+        for piece in pieces:
+            index.extend(piece)
+        ids = [t for piece in pieces for t in piece]
+        expected: dict[tuple[int, ...], list[int]] = {}
+        for end in range(1, len(ids)):  # every n-gram ending before the newest position
+            for n in range(min_n, min(max_n, end) + 1):
+                expected.setdefault(tuple(ids[end - n : end]), []).append(end)
+        assert index.ids == ids and dict(index.ends) == expected
 
 
 def test_lookup_drafts_what_followed_the_latest_earlier_occurrence():
