@@ -14,7 +14,7 @@ at or after the anchor, else the latest."""
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -44,21 +44,16 @@ class NgramIndex:
     min_n: int
     max_n: int
     ids: list[int] = field(default_factory=list)
-    # n-gram -> its ends, ascending (read with .get: a lookup adds no key)
-    ends: defaultdict[tuple[int, ...], list[int]] = field(default_factory=lambda: defaultdict(list))
+    ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # n-gram -> its ends, ascending
 
     def extend(self, new_ids: Sequence[int]) -> None:
-        """Append `new_ids` to the sequence and index what they complete (O(new ids) per call; a
-        request's first draft indexes its whole context, so the n-grams are built by zip, in C)."""
+        """Append `new_ids` to the sequence and index what they complete (O(new ids) per call)."""
         start = len(self.ids)
-        ids = self.ids
-        ids += new_ids
+        self.ids += new_ids
         # Index n-grams ending before the newest position only: the newest one is the query.
-        for n in range(self.min_n, self.max_n + 1):
-            first = max(start, 1, n)  # ends in [first, len(ids) - 1]; the n-gram ids[end - n : end]
-            grams = zip(*(ids[first - n + i : len(ids) - n + i] for i in range(n)))
-            for end, gram in enumerate(grams, first):
-                self.ends[gram].append(end)
+        for end in range(max(start, 1), len(self.ids)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.ends.setdefault(tuple(self.ids[end - n : end]), []).append(end)
 
     def lookup(
         self, suffix: Sequence[int], k: int, anchor: int | None = None, upto: int | None = None
