@@ -4,7 +4,7 @@ offline_gpu's 256-request run): separate runs on these GPU hosts differ by more 
     python -m labkit.bench.offline_ab [--model qwen3-0.6b] [--rounds 5] [--kv-memory-gb 32] \\
         [--kv-cache-dtype fp8_e4m3] [offline_gpu's workload and engine options] \\
         --variant base \\
-        --variant stages-5:labkit.kernels.decode.FP8_NUM_STAGES=5
+        --variant stages-3:labkit.kernels.decode.FP8_NUM_STAGES=3
 
 Every variant gets its own engine (offline_gpu's, random weights, warmed up as offline_gpu warms
 its one), all alive at once: --kv-memory-gb is each one's pool, so variants x that must fit the GPU
@@ -17,9 +17,6 @@ first variant.
 from __future__ import annotations
 
 import json
-import time
-
-import torch
 
 from labkit import Engine
 from labkit.bench import offline_gpu
@@ -35,7 +32,6 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     variants = parse_variants(ap, args.variant)
     vocab = json.loads((offline_gpu.CONFIGS_DIR / f"{args.model}.json").read_text())["vocab_size"]
     prompts, out_lens = offline_gpu.make_workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed)
-    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in out_lens]
 
     def build() -> Engine:
         engine = offline_gpu.build_engine(args.model, args, disable_overlap_schedule=args.disable_overlap_schedule)
@@ -44,13 +40,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
 
     def tokens_per_second(engine: Engine) -> float:
         engine.flush_cache()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=params)
-        seconds = time.perf_counter() - start
-        if not isinstance(outs, list) or [len(o["output_ids"]) for o in outs] != out_lens:
-            raise RuntimeError("labkit produced the wrong number of tokens")
-        return sum(out_lens) / seconds
+        return sum(out_lens) / offline_gpu.run_workload(engine, prompts, out_lens)
 
     title = f"offline {args.model}, {len(prompts)} requests, KV {args.kv_cache_dtype}"
     return compare(variants, build, tokens_per_second, args.rounds, title, "tok/s", 0)

@@ -211,27 +211,33 @@ def warm_up(engine: Engine, args, vocab: int) -> None:
     engine.flush_cache()
 
 
+def run_workload(engine: Engine, prompts: list[list[int]], out_lens: list[int]) -> float:
+    """Seconds for the workload (greedy, out_lens[i] tokens for prompts[i], EOS ignored) from an idle
+    device; RuntimeError if a request made another number of tokens."""
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in out_lens]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    seconds = time.perf_counter() - start
+    if not isinstance(outs, list) or [len(o["output_ids"]) for o in outs] != out_lens:
+        raise RuntimeError("labkit produced the wrong number of tokens")
+    return seconds
+
+
 def bench_labkit(args, prompts, out_lens, name: str = "labkit", **overrides) -> tuple[Run, Profile, Engine]:
     engine = build_engine(args.model, args, **overrides)
     vocab = engine.model_runner.vocab_size
     warm_up(engine, args, vocab)
     profile = Profile()
     resolve = instrument(engine, profile)
-    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in out_lens]
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params=params)
-    seconds = time.perf_counter() - start
+    seconds = run_workload(engine, prompts, out_lens)
     resolve()
-    made = [len(o["output_ids"]) for o in outs]
-    if made != out_lens:
-        raise RuntimeError("labkit produced the wrong number of tokens")
     graphs = engine.model_runner.cuda_graph_runner
     note = f"CUDA graphs bs<={graphs.max_bs}" if graphs else "no CUDA graphs"
     note += ", overlap scheduling" if engine.scheduler.overlap else ", no overlap"
     if engine.config.enable_torch_compile:
         note += f", torch.compile bs<={engine.config.torch_compile_max_bs}"
-    return Run(name, len(prompts), sum(made), seconds, note), profile, engine
+    return Run(name, len(prompts), sum(out_lens), seconds, note), profile, engine
 
 
 BATCH1_VARIANTS = {

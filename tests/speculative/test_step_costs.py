@@ -227,7 +227,6 @@ def test_a_refusal_by_realized_gains_holds_for_refusal_hold_steps():
     engine = Engine(model_path="tiny-llama", load_format="dummy", speculative_algorithm="ngram")
     sched = engine.scheduler
     copying = [SimpleNamespace(spec=SpecState(recent_rate=1.0)) for _ in range(4)]
-    sched.record_gains(4, accepted=0, least=0)  # a fruitless probe at batch 4
     asked = []
     sched.realized_gain = lambda batch_size: asked.append(batch_size) or (0.0, 0.0)  # type: ignore[method-assign]
     for _ in range(REFUSAL_HOLD_STEPS):
