@@ -198,7 +198,10 @@ def test_cuda_backends_agree_on_greedy_outputs_in_bfloat16(checkpoint, variant):
 @pytest.mark.slow
 def test_embedded_model_answers_the_chat_prompts_on_cuda(embedded_dir):
     """The real embedded model under the CUDA defaults (bfloat16, triton, CUDA graphs, overlap) answers
-    the chat prompt the CPU tests ask, as on the CPU, and ends its answers by itself."""
+    the chat prompts the CPU tests ask, as on the CPU, and ends its short answers by itself. The haiku
+    may run to the token limit: in bfloat16 greedy decoding loops on it ("A reminder of the ocean's
+    power, ...") in Hugging Face transformers' own implementation too (token for token the same
+    96-token text on an H200, 2026-11-28; 39 tokens in float32)."""
     engine = Engine(model_path=str(embedded_dir))
     assert engine.model_runner.device.type == "cuda" and engine.scheduler.overlap
     questions = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
@@ -209,4 +212,5 @@ def test_embedded_model_answers_the_chat_prompts_on_cuda(embedded_dir):
     for q, o in zip(questions, outs):
         print(f"{q!r} -> {o['text']!r}")
     assert "Paris" in outs[0]["text"]
-    assert all(o["meta_info"]["finish_reason"]["type"] == "stop" and o["text"].strip() for o in outs)
+    assert all(o["text"].strip() for o in outs)
+    assert all(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs[:2])
