@@ -200,8 +200,8 @@ def test_embedded_model_answers_the_chat_prompts_on_cuda(embedded_dir):
     """The real embedded model under the CUDA defaults (bfloat16, triton, CUDA graphs, overlap) answers
     the chat prompts the CPU tests ask, as on the CPU, and ends its short answers by itself. The haiku
     may run to the token limit: in bfloat16 greedy decoding loops on it ("A reminder of the ocean's
-    power, ...") in Hugging Face transformers' own implementation too (token for token the same
-    96-token text on an H200, 2026-11-28; 39 tokens in float32)."""
+    power, ...") in Hugging Face transformers' own implementation too (the same text up to the
+    96-token limit on an H200, 2026-11-28; 39 tokens and an end in float32)."""
     engine = Engine(model_path=str(embedded_dir))
     assert engine.model_runner.device.type == "cuda" and engine.scheduler.overlap
     questions = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
