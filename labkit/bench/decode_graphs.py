@@ -6,16 +6,18 @@ draft are a row each), however little the host does.
                                          [--rounds 3] [--batch-sizes 1 2 4 8 16 32 40 64]
 
 A random-weight engine (bfloat16) captures its decode graphs up to the largest size asked for. Every
-row of the static buffers then reads the same request slot, whose first --context positions hold
-distinct KV slots, as a request of that context would; each graph is replayed --replays times back
-to back between two CUDA events, in --rounds rounds, and the least round is kept (the device's time,
-apart from a shared machine's slow spells). Also the host's cost, on an idle GPU, of launching a
-graph and of the runner's whole replay (input copies, padding, split counts, launch, output copy).
+row of a batch then reads the same request slot, whose first --context positions hold KV slots of
+their own, as a request of that context would; the runner's replay sets a graph's inputs, then the
+graph is replayed --replays times back to back between two CUDA events, in --rounds rounds, and the
+least round is kept (the device's time, apart from a shared machine's slow spells). Also the host's
+cost, on an idle GPU, of launching a graph and of the runner's whole replay (input copies, padding,
+split counts, launch, output copy).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -23,7 +25,8 @@ from collections.abc import Callable
 import torch
 
 from labkit import Engine
-from labkit.model_executor.cuda_graph_runner import CudaGraphRunner
+from labkit.model_executor.cuda_graph_runner import PAD_SLOT, CudaGraphRunner
+from labkit.model_executor.forward_batch import ForwardBatch
 
 
 def host_seconds(fn: Callable[[], object], times: int = 20) -> float:
@@ -52,17 +55,42 @@ def device_seconds(fn: Callable[[], object], replays: int, rounds: int) -> float
     return best
 
 
+def context_of(engine: Engine, context: int) -> tuple[int, torch.Tensor]:
+    """A request slot whose first `context` positions hold KV slots of their own, from the pools
+    (the caller frees them): what every row of the timed graphs reads."""
+    runner = engine.model_runner
+    taken = runner.req_to_token_pool.alloc(1)
+    kv_slots = runner.token_to_kv_pool_allocator.alloc_extend([0], [context], [-1])
+    if taken is None or kv_slots is None:
+        raise SystemExit(f"the KV pool cannot hold a context of {context} tokens")
+    runner.req_to_token_pool.write_row(taken[0], 0, kv_slots)
+    return taken[0], kv_slots
+
+
+def decode_batch(runner: CudaGraphRunner, bs: int, req_slot: int, context: int) -> ForwardBatch:
+    """A DECODE batch of bs rows, each request slot `req_slot`'s next token at `context` tokens, its
+    K/V written to the padding slot (the graphs' static batch of size bs for everything else)."""
+
+    def rows(value: int) -> torch.Tensor:
+        return torch.full((bs,), value, dtype=torch.int64, device=runner.device)
+
+    return dataclasses.replace(
+        runner.forward_batches[bs],
+        input_ids=rows(0),
+        positions=rows(context - 1),
+        req_pool_indices=rows(req_slot),
+        seq_lens=rows(context),
+        out_cache_loc=rows(PAD_SLOT),
+        seq_lens_cpu=[context] * bs,
+    )
+
+
 @torch.inference_mode()
-def measure(runner: CudaGraphRunner, bs: int, context: int, replays: int, rounds: int) -> tuple[float, float, float]:
-    """(device s per replay, host s per launch, host s per runner replay) of the graph of size bs, its
-    rows at `context` tokens of request slot 0."""
-    fb = runner.forward_batches[bs]
-    fb.seq_lens_cpu = [context] * bs
-    runner.seq_lens[:bs].fill_(context)
-    runner.positions[:bs].fill_(context - 1)
-    runner.req_pool_indices[:bs].zero_()
-    runner.attn_backend.init_forward_metadata_replay_cuda_graph(fb)
-    graph = runner.graphs[bs]
+def measure(runner: CudaGraphRunner, fb: ForwardBatch, replays: int, rounds: int) -> tuple[float, float, float]:
+    """(device s per replay, host s per launch, host s per runner replay) of the graph of fb's size,
+    its inputs set by the runner's replay of fb."""
+    runner.replay(fb)
+    graph = runner.graphs[fb.batch_size]
     for _ in range(5):
         graph.replay()
     return (
@@ -95,8 +123,7 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, float, float]]
     runner = engine.model_runner.cuda_graph_runner
     if runner is None:
         raise SystemExit("the engine captured no decode graphs")
-    slots = torch.arange(1, args.context + 1, dtype=torch.int64)  # slot 0 is the padding rows'
-    engine.model_runner.req_to_token_pool.write_row(0, 0, slots)
+    req_slot, kv_slots = context_of(engine, args.context)
     print(
         f"== decode graphs, {args.model} (random bf16 weights), every row at {args.context} tokens, "
         f"{torch.cuda.get_device_name()}"
@@ -106,9 +133,12 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, float, float]]
     rows = []
     for bs in args.batch_sizes:
         padded = runner.padded_size(bs)
-        device, launch, replay = measure(runner, padded, args.context, args.replays, args.rounds)
+        fb = decode_batch(runner, padded, req_slot, args.context)
+        device, launch, replay = measure(runner, fb, args.replays, args.rounds)
         rows.append((bs, device, launch, replay))
         print(f"| {bs} | {padded} | {device * 1e6:.1f} | {launch * 1e6:.1f} | {replay * 1e6:.1f} |", flush=True)
+    engine.model_runner.token_to_kv_pool_allocator.free(kv_slots)
+    engine.model_runner.req_to_token_pool.free(req_slot)
     engine.shutdown()
     return rows
 
