@@ -78,9 +78,13 @@ class ReqToTokenPool(Summarized):
             self.req_to_token[packed[0], packed[1]] = packed[2]
 
     def write_row(self, slot: int, start: int, values: torch.Tensor) -> None:
-        """req_to_token[slot, start : start + len(values)] = values."""
-        cols = torch.arange(start, start + values.numel(), dtype=torch.int64)
-        self.write(torch.full_like(cols, slot), cols, values.to(torch.int64))
+        """req_to_token[slot, start : start + len(values)] = values (a CPU tensor of integers): one
+        slice write per copy, where `write` builds index tensors and scatters on the device (on a
+        GPU host that cost a batch-1 decode step about 110 us, docs/benchmarks.md)."""
+        end = start + values.numel()
+        self.host[slot, start:end] = values
+        if self.host is not self.req_to_token:
+            self.req_to_token[slot, start:end].copy_(values, non_blocking=True)
 
     def summary(self) -> dict[str, object]:
         return {"slots": self.size, "free": self.available_size(), "max_context_len": self.max_context_len}

@@ -382,11 +382,14 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
 
     def update_running_batch(self, out: StepOutput) -> ScheduleBatch | None:
         """Decode every running request; retract some first if their next tokens do not fit."""
-        drafting = self.drafter is not None and self.drafting_budgets(self.running) is not None
+        budgets = self.drafting_budgets(self.running) if self.drafter is not None else None
+        drafting = budgets is not None
         if drafting and self.in_flight is not None and not self.drafts_ahead(self.running):
             self._take_in_flight(out, None)  # drafts follow the tokens still on their way
             self.spec_attempt = True  # the overlap is lost, whether or not a verify step follows
+            budgets = None  # asked again: the tokens taken in may change them
         if decode_slots_needed(self.running, self.page_size) > self._reclaimable():
+            budgets = None  # and the requests retracted
             out.retracted = self.retract_decode()
             self.new_token_ratio = self.init_new_token_ratio
         else:
@@ -395,7 +398,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
         if not self.running:
             return None
         batch = ScheduleBatch(reqs=list(self.running), forward_mode=ForwardMode.DECODE, step=self.step_id)
-        if drafting and self.prepare_verify(batch):  # asks again: the tokens taken in may change it
+        if drafting and self.prepare_verify(batch, budgets):
             return batch
         if not alloc_for_decode(batch, self.req_to_token_pool, self.allocator, self.tree_cache, self.page_size):
             raise RuntimeError("KV allocation failed for decode after retraction")
