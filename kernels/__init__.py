@@ -20,6 +20,7 @@ from labkit.kernels.extend import ExtendPlan, extend_attention
 from labkit.kernels.fused_moe import fused_moe
 from labkit.kernels.gemv import Split as GemvSplit
 from labkit.kernels.gemv import gemv, gemv_rmsnorm, gemv_silu_and_mul
+from labkit.kernels.gemv import max_rows as gemv_max_rows
 from labkit.kernels.gemv import semaphore_count as gemv_semaphore_count
 from labkit.kernels.gemv_qkv import QKVHeads, fuses_qkv, gemv_qkv_rope_store
 from labkit.kernels.kv_cache import store_kv
@@ -39,6 +40,7 @@ __all__ = [
     "GemvSplit",
     "gemv",
     "gemv_qkv_rope_store",
+    "gemv_max_rows",
     "gemv_rmsnorm",
     "gemv_semaphore_count",
     "gemv_silu_and_mul",

@@ -16,6 +16,13 @@ the weights are not cut: the next projection streams its weights while this one'
 which is the idle time the pieces filled, and with one piece a batch-1 decode step was faster on
 every model timed (H200 and H100, docs/benchmarks.md).
 
+Up to MAX_ROWS rows (a decode step of two requests) run as one launch with a program per row and
+tile: the rows' programs read the same weight tile, from L2 after the first. On an H200, with the
+weights cold in HBM, two rows took 1.5-7.3 us a projection of SmolLM2-135M and Qwen3-0.6B against
+cuBLAS's 3.6-12.9 (one shape slower: Qwen3-0.6B's gate_up_proj, 7.25 against 6.04 before the norm it
+fuses); from four rows on, the rereads cost more than cuBLAS on most shapes (docs/benchmarks.md).
+Several rows take K whole: the split-K partials and semaphores hold one row's.
+
 Each launch is programmatically dependent on the kernel ahead (labkit.kernels.pdl): its first
 weight tile streams in before it waits for that kernel's output.
 
@@ -36,6 +43,7 @@ kernels/gemv_qkv.py builds its own epilogue on (qkv_proj with the rotary and the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +53,14 @@ import triton.language as tl
 
 from labkit.kernels.decode import num_sms
 from labkit.kernels.pdl import pdl_launch_dependents, pdl_options, pdl_wait_only
+
+MAX_ROWS = 2  # rows a launch takes (a program per row and tile; module docstring)
+
+
+def max_rows() -> int:
+    """The most rows gemv takes now (MAX_ROWS, read at each call: an A/B sets it to 1)."""
+    return MAX_ROWS
+
 
 MAX_SPLIT_K = 16
 MIN_K_PER_SPLIT = 256  # inputs a split program streams at least (gemv_split_k)
@@ -171,6 +187,7 @@ def _gemv_kernel(
     k_per_split,
     stride_wn,
     eps,
+    stride_xm,
     HAS_BIAS: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -179,6 +196,11 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    row = tl.program_id(2).to(tl.int64)  # this program's row: its input, output and residual rows
+    X += row * stride_xm
+    Y += row * N
+    R += row * K
+    RES_OUT += row * K
     acc, sq_sum, done = gemv_sums(
         X,
         W,
@@ -207,9 +229,10 @@ def _gemv_kernel(
         tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=n_mask)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, width: int) -> None:
-    if x.numel() != width or x.shape[-1] != width:
-        raise ValueError(f"gemv takes one row of {width} features, got x of shape {tuple(x.shape)}")
+def _check(x: torch.Tensor, weight: torch.Tensor, width: int, max_rows: int) -> None:
+    if x.shape[-1] != width or not 1 <= x.numel() // width <= max_rows:
+        rows = "one row" if max_rows == 1 else f"1 to {max_rows} rows"
+        raise ValueError(f"gemv takes {rows} of {width} features, got x of shape {tuple(x.shape)}")
     if weight.stride(1) != 1:
         raise ValueError("gemv needs the weight's rows contiguous")
 
@@ -328,9 +351,15 @@ def launch_args(
     return (tiles, split_k), args, options
 
 
-def _launch(row: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, *rest: Any) -> None:
-    grid, args, options = launch_args(row, weight, bias, out, *rest)
-    _gemv_kernel[grid](*args, **options)
+def _launch(
+    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, split: Split, *rest: Any
+) -> None:
+    """_gemv_kernel over contiguous rows [M, K] (or [M, 2K]) into out [M, N]: a program per tile,
+    split and row. Several rows take K whole (the split-K partials and semaphores hold one row's)."""
+    if rows.shape[0] > 1:
+        split = dataclasses.replace(split, split_k=1)
+    (tiles, split_k), args, options = launch_args(rows, weight, bias, out, split, *rest)
+    _gemv_kernel[(tiles, split_k, rows.shape[0])](*args, rows.stride(0), **options)
 
 
 @dataclass(frozen=True)
@@ -348,31 +377,31 @@ class Split:
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, split: Split = Split()
 ) -> torch.Tensor:
-    """x [..., K] holding one row, weight [N, K] with unit stride along K, bias [N] or None ->
-    [..., N] in x's dtype, equal to F.linear(x, weight, bias) up to float32 summation order."""
+    """x [..., K] holding 1 to MAX_ROWS rows, weight [N, K] with unit stride along K, bias [N] or
+    None -> [..., N] in x's dtype, equal to F.linear(x, weight, bias) up to float32 summation order."""
     n, k = weight.shape
-    _check(x, weight, k)
+    _check(x, weight, k, MAX_ROWS)
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    _launch(x.reshape(k).contiguous(), weight, bias, out, split)
+    _launch(x.reshape(-1, k).contiguous(), weight, bias, out, split)
     return out
 
 
 def normed_row(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor, max_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """gemv_rmsnorm's inputs checked: (x's row, the residual's row or None, a new row for the new
-    residual or None)."""
+    """gemv_rmsnorm's inputs checked (1 to max_rows rows): (x's rows [M, K], the residual's or None,
+    new rows for the new residual or None)."""
     k = weight.shape[1]
-    _check(x, weight, k)
+    _check(x, weight, k, max_rows)
     if norm_weight.shape != (k,):
         raise ValueError(f"norm weight of shape {tuple(norm_weight.shape)} for {k} features")
-    row = x.reshape(k).contiguous()
+    rows = x.reshape(-1, k).contiguous()
     if residual is None:
-        return row, None, None
+        return rows, None, None
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError("the residual must have x's shape and dtype")
     # Not in place: other programs still read the residual.
-    return row, residual.reshape(k).contiguous(), torch.empty_like(row)
+    return rows, residual.reshape(-1, k).contiguous(), torch.empty_like(rows)
 
 
 def gemv_rmsnorm(
@@ -386,8 +415,8 @@ def gemv_rmsnorm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(gemv(rmsnorm(h, norm_weight, eps), weight, bias), h) with h = x + residual (residual None:
     h = x, returned as is): labkit.kernels.fused_add_rmsnorm (or rmsnorm) then gemv, in one kernel.
-    x and residual [..., K] hold one row of one dtype; the new residual is a new tensor."""
-    row, res, res_out = normed_row(x, residual, norm_weight, weight)
+    x and residual [..., K] hold 1 to MAX_ROWS rows of one dtype; the new residual is a new tensor."""
+    row, res, res_out = normed_row(x, residual, norm_weight, weight, MAX_ROWS)
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
     _launch(row, weight, bias, out, split, RMSNORM, res, norm_weight.contiguous(), res_out, eps)
     return out, x if res_out is None else res_out.view(x.shape)
@@ -396,10 +425,10 @@ def gemv_rmsnorm(
 def gemv_silu_and_mul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, split: Split = Split()
 ) -> torch.Tensor:
-    """gemv(silu_and_mul(x), weight, bias) in one kernel: x [..., 2K] = [gate | up] holding one row,
-    weight [N, K] -> [..., N] in x's dtype."""
+    """gemv(silu_and_mul(x), weight, bias) in one kernel: x [..., 2K] = [gate | up] holding 1 to
+    MAX_ROWS rows, weight [N, K] -> [..., N] in x's dtype."""
     n, k = weight.shape
-    _check(x, weight, 2 * k)
+    _check(x, weight, 2 * k, MAX_ROWS)
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    _launch(x.reshape(2 * k).contiguous(), weight, bias, out, split, SILU_AND_MUL)
+    _launch(x.reshape(-1, 2 * k).contiguous(), weight, bias, out, split, SILU_AND_MUL)
     return out

@@ -183,7 +183,7 @@ def gemv_qkv_rope_store(
     the float32 cos | sin row of the token's position, [1, head_dim] (RotaryEmbedding.kernel_inputs).
     Returns (q [1, num_q, head_dim], the new residual as gemv_rmsnorm returns it)."""
     n, d = weight.shape[0], heads.head_dim
-    row, res, res_out = normed_row(x, residual, norm_weight, weight)
+    row, res, res_out = normed_row(x, residual, norm_weight, weight, 1)
     if n != (heads.num_q + 2 * heads.num_kv) * d or d & (d - 1):
         raise ValueError(f"gemv_qkv_rope_store does not take a weight of {tuple(weight.shape)} for {heads}")
     if heads.semaphores.numel() < heads.num_q + heads.num_kv or heads.semaphores.dtype != torch.int32:

@@ -51,10 +51,13 @@ class LinearBase(nn.Module):
         return self.matmul(x, self.bias)
 
     def gemv_takes(self, x: torch.Tensor, width: int) -> bool:
-        """Whether x goes through labkit's GEMV kernel: a single 16-bit row (of `width` features) on
-        CUDA, where the kernel beat cuBLAS on an H200 on every batch-1 decode projection measured
-        (docs/benchmarks.md; tall ones such as Qwen2.5's down_proj, 4864 -> 896, split along K)."""
-        return x.numel() == width and x.dtype != torch.float32 and self.weight.stride(1) == 1 and use_triton_kernels(x)
+        """Whether x goes through labkit's GEMV kernel: up to its MAX_ROWS 16-bit rows (of `width`
+        features) on CUDA, where the kernel beat cuBLAS on an H200 on every batch-1 decode projection
+        measured, and at two rows on SmolLM2's and Qwen3-0.6B's (docs/benchmarks.md; tall weights such
+        as Qwen2.5's down_proj, 4864 -> 896, split along K at one row)."""
+        if x.shape[-1] != width or x.dtype == torch.float32 or self.weight.stride(1) != 1:
+            return False
+        return x.numel() <= width * triton_kernels().gemv_max_rows() and use_triton_kernels(x)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, act: SiluAndMul | None = None) -> torch.Tensor:
         """act(x) W^T (+ bias) (act: the gated MLP's activation, or none): through the GEMV kernel

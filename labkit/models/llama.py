@@ -87,7 +87,7 @@ class LlamaAttention(nn.Module):
         None. Whether the layer fuses at all (its heads, the pool's dtype, the q/k norms' eps) is
         decided once per device, with the semaphores made then."""
         takes = rope.table is not None and fb.forward_mode.is_decode() and fb.attn_backend.takes_stored_kv
-        if not takes or not self.qkv_proj.gemv_takes(hidden, hidden.shape[-1]):
+        if not takes or hidden.shape[0] != 1 or not self.qkv_proj.gemv_takes(hidden, hidden.shape[-1]):
             return None
         if self._heads is None or self._heads[0] != hidden.device:
             self._heads = (hidden.device, self._make_heads(hidden, fb))

@@ -1,8 +1,8 @@
-"""gemv (one-row linear layers) against F.linear on fresh random inputs, alone and with the norm or
-the activation before it fused in (against their references, then F.linear), with K in one piece
-and split over programs (the semaphores left zero after each launch, repeated launches
-bit-identical), and the linear layers' choice of it: a single 16-bit row on CUDA, F.linear
-otherwise."""
+"""gemv (linear layers of one row, or up to its MAX_ROWS) against F.linear on fresh random inputs,
+alone and with the norm or the activation before it fused in (against their references, then
+F.linear), with K in one piece and split over programs (the semaphores left zero after each launch,
+repeated launches bit-identical; several rows take K whole), and the linear layers' choice of it:
+up to MAX_ROWS 16-bit rows on CUDA, F.linear otherwise."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ SHAPES = [(64, 48), (1000, 777), (24, 1536)]
 
 @pytest.mark.parametrize("n, k, split_k", [(n, k, s) for n, k in SHAPES for s in SPLITS] + [(8192, 96, None)], ids=str)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("lead", [(1,), (1, 1)], ids=str)
+@pytest.mark.parametrize("lead", [(1,), (1, 1), (2,), (2, 1)], ids=str)
 def test_gemv_matches_linear(n, k, bias, lead, split_k, dtype, device, gen, check_close):
     x = torch.randn(*lead, k, generator=gen, device=device).to(dtype)
     w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype)
@@ -53,9 +53,12 @@ def test_gemv_matches_linear(n, k, bias, lead, split_k, dtype, device, gen, chec
 @pytest.mark.parametrize("n, k", SHAPES, ids=str)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["first_layer", "residual"])
 @pytest.mark.parametrize("split_k", SPLITS, ids=str)
-def test_gemv_rmsnorm_is_the_norm_then_the_projection(n, k, with_residual, split_k, dtype, device, gen, check_close):
-    x = (3 * torch.randn(1, k, generator=gen, device=device)).to(dtype)
-    r = torch.randn(1, k, generator=gen, device=device).to(dtype) if with_residual else None
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gemv_rmsnorm_is_the_norm_then_the_projection(
+    n, k, with_residual, split_k, rows, dtype, device, gen, check_close
+):
+    x = (3 * torch.randn(rows, k, generator=gen, device=device)).to(dtype)
+    r = torch.randn(rows, k, generator=gen, device=device).to(dtype) if with_residual else None
     nw = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).to(dtype)
     w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype)
     b = torch.randn(n, generator=gen, device=device).to(dtype)
@@ -66,7 +69,7 @@ def test_gemv_rmsnorm_is_the_norm_then_the_projection(n, k, with_residual, split
     else:
         normed, ref_res = reference_fused_add_rmsnorm(x, r, nw, 1e-6)
     assert torch.equal(res, ref_res)  # the new residual is x + r rounded as torch rounds it
-    assert out.shape == (1, n) and out.dtype == dtype
+    assert out.shape == (rows, n) and out.dtype == dtype
     check_close(out, F.linear(normed.float(), w.float(), b.float()), dtype)
     if r is not None:
         assert res.data_ptr() not in (x.data_ptr(), r.data_ptr())
@@ -75,12 +78,13 @@ def test_gemv_rmsnorm_is_the_norm_then_the_projection(n, k, with_residual, split
 
 @pytest.mark.parametrize("n, k", SHAPES, ids=str)
 @pytest.mark.parametrize("split_k", SPLITS, ids=str)
-def test_gemv_silu_and_mul_is_the_activation_then_the_projection(n, k, split_k, dtype, device, gen, check_close):
-    x = (2 * torch.randn(1, 1, 2 * k, generator=gen, device=device)).to(dtype)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gemv_silu_and_mul_is_the_activation_then_the_projection(n, k, split_k, rows, dtype, device, gen, check_close):
+    x = (2 * torch.randn(rows, 1, 2 * k, generator=gen, device=device)).to(dtype)
     w = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(dtype)
     split = split_of(split_k, n, device)
     out = gemv_silu_and_mul(x, w, None, split)
-    assert out.shape == (1, 1, n) and out.dtype == dtype
+    assert out.shape == (rows, 1, n) and out.dtype == dtype
     check_close(out, F.linear(reference_silu_and_mul(x).float(), w.float()), dtype)
     assert not split.semaphores.any()
 
@@ -130,13 +134,14 @@ def test_gemv_refuses_a_bad_split(device):
         gemv(x, w, None, GemvSplit(2, torch.zeros(0, dtype=torch.int32, device=device)))
 
 
-def test_gemv_refuses_more_than_one_row(device):
-    with pytest.raises(ValueError, match="one row"):
-        gemv(torch.zeros(2, 8, device=device), torch.zeros(4, 8, device=device))
-    with pytest.raises(ValueError, match="one row"):
-        gemv_silu_and_mul(torch.zeros(2, 16, device=device), torch.zeros(4, 8, device=device))
-    with pytest.raises(ValueError, match="one row"):
-        x, w = torch.zeros(2, 8, device=device), torch.zeros(4, 8, device=device)
+def test_gemv_refuses_more_rows_than_it_takes(device):
+    rows = gemv_module.MAX_ROWS + 1
+    with pytest.raises(ValueError, match="rows"):
+        gemv(torch.zeros(rows, 8, device=device), torch.zeros(4, 8, device=device))
+    with pytest.raises(ValueError, match="rows"):
+        gemv_silu_and_mul(torch.zeros(rows, 16, device=device), torch.zeros(4, 8, device=device))
+    with pytest.raises(ValueError, match="rows"):
+        x, w = torch.zeros(rows, 8, device=device), torch.zeros(4, 8, device=device)
         gemv_rmsnorm(x, None, torch.ones(8, device=device), 1e-6, w)
 
 
@@ -146,11 +151,12 @@ def test_gemv_refuses_more_than_one_row(device):
     [
         (1, 1024, 4096, torch.bfloat16, True),
         (1, 4864, 896, torch.bfloat16, True),  # tall: split along K
-        (2, 1024, 4096, torch.bfloat16, False),
+        (2, 1024, 4096, torch.bfloat16, True),
+        (3, 1024, 4096, torch.bfloat16, False),
         (1, 1024, 4096, torch.float32, False),
     ],
 )
-def test_linear_takes_gemv_for_one_short_16_bit_row(monkeypatch, rows, in_features, out_features, x_dtype, kernel):
+def test_linear_takes_gemv_for_up_to_max_rows_of_16_bits(monkeypatch, rows, in_features, out_features, x_dtype, kernel):
     layer = ColumnParallelLinear(in_features, [out_features], bias=True, tp=TPGroup()).to("cuda", x_dtype)
     torch.nn.init.normal_(layer.weight, std=in_features**-0.5)
     torch.nn.init.normal_(layer.bias)
