@@ -57,7 +57,7 @@ class LinearBase(nn.Module):
         as Qwen2.5's down_proj, 4864 -> 896, split along K at one row)."""
         if x.shape[-1] != width or x.dtype == torch.float32 or self.weight.stride(1) != 1:
             return False
-        return x.numel() <= width * triton_kernels().gemv_max_rows() and use_triton_kernels(x)
+        return width <= x.numel() <= width * triton_kernels().gemv_max_rows() and use_triton_kernels(x)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, act: SiluAndMul | None = None) -> torch.Tensor:
         """act(x) W^T (+ bias) (act: the gated MLP's activation, or none): through the GEMV kernel

@@ -153,6 +153,7 @@ def test_gemv_refuses_more_rows_than_it_takes(device):
         (1, 4864, 896, torch.bfloat16, True),  # tall: split along K
         (2, 1024, 4096, torch.bfloat16, True),
         (3, 1024, 4096, torch.bfloat16, False),
+        (0, 1024, 4096, torch.bfloat16, False),
         (1, 1024, 4096, torch.float32, False),
     ],
 )
