@@ -43,7 +43,6 @@ kernels/gemv_qkv.py builds its own epilogue on (qkv_proj with the rotary and the
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -291,7 +290,7 @@ def gemv_split_k(n: int, k: int, sms: int, pdl: bool = False) -> int:
 
 
 def launch_args(
-    row: torch.Tensor,
+    rows: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     out: torch.Tensor,
@@ -302,33 +301,34 @@ def launch_args(
     res_out: torch.Tensor | None = None,
     eps: float = 0.0,
 ) -> tuple[tuple[int, int], list[Any], dict[str, Any]]:
-    """The grid, arguments and keyword arguments (constexprs, launch options) of a GEMV launch:
-    _gemv_kernel's, which a kernel built on gemv_sums starts its own with."""
+    """The grid (tiles, splits), arguments and keyword arguments (constexprs, launch options) of a
+    GEMV launch over rows [M, K]: _gemv_kernel's, which a kernel built on gemv_sums starts its own
+    with. Several rows take K whole (the split-K partials and semaphores hold one row's)."""
     n, k = weight.shape
-    pdl, sms = pdl_options(row.device, 1), num_sms(row.device)
-    split_k = split.split_k or gemv_split_k(n, k, sms, pdl["PDL"])
+    pdl, sms = pdl_options(rows.device, rows.shape[0]), num_sms(rows.device)
+    split_k = 1 if rows.shape[0] > 1 else split.split_k or gemv_split_k(n, k, sms, pdl["PDL"])
     if split_k & (split_k - 1) or not 1 <= split_k <= MAX_SPLIT_K:
         raise ValueError(f"split_k must be a power of two in [1, {MAX_SPLIT_K}], got {split_k}")
     shape = split.tiles or default_tiles(n, k, sms, split_k)
     tiles = triton.cdiv(n, shape.block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), shape.block_k) * shape.block_k
-    partial = sq = semaphores = row  # never read with one split
+    partial = sq = semaphores = rows  # never read with one split
     if split_k > 1:
-        partial = torch.empty(split_k, n, dtype=torch.float32, device=row.device)
-        sq = torch.empty(tiles * split_k, dtype=torch.float32, device=row.device)
+        partial = torch.empty(split_k, n, dtype=torch.float32, device=rows.device)
+        sq = torch.empty(tiles * split_k, dtype=torch.float32, device=rows.device)
         semaphores = split.semaphores
         if semaphores is None:
-            semaphores = torch.zeros(tiles, dtype=torch.int32, device=row.device)
+            semaphores = torch.zeros(tiles, dtype=torch.int32, device=rows.device)
         elif semaphores.numel() < tiles or semaphores.dtype != torch.int32:
             raise ValueError(f"split-K needs {tiles} int32 semaphores, got {semaphores.numel()} {semaphores.dtype}")
     args = [
-        row,
+        rows,
         weight,
-        bias if bias is not None else row,  # never read without HAS_BIAS
+        bias if bias is not None else rows,  # never read without HAS_BIAS
         out,
-        residual if residual is not None else row,  # nor these without their prologue
-        norm_weight if norm_weight is not None else row,
-        res_out if res_out is not None else row,
+        residual if residual is not None else rows,  # nor these without their prologue
+        norm_weight if norm_weight is not None else rows,
+        res_out if res_out is not None else rows,
         partial,
         sq,
         semaphores,
@@ -351,14 +351,10 @@ def launch_args(
     return (tiles, split_k), args, options
 
 
-def _launch(
-    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, split: Split, *rest: Any
-) -> None:
+def _launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, *rest: Any) -> None:
     """_gemv_kernel over contiguous rows [M, K] (or [M, 2K]) into out [M, N]: a program per tile,
-    split and row. Several rows take K whole (the split-K partials and semaphores hold one row's)."""
-    if rows.shape[0] > 1:
-        split = dataclasses.replace(split, split_k=1)
-    (tiles, split_k), args, options = launch_args(rows, weight, bias, out, split, *rest)
+    split and row."""
+    (tiles, split_k), args, options = launch_args(rows, weight, bias, out, *rest)
     _gemv_kernel[(tiles, split_k, rows.shape[0])](*args, rows.stride(0), **options)
 
 

@@ -52,9 +52,10 @@ class LinearBase(nn.Module):
 
     def gemv_takes(self, x: torch.Tensor, width: int) -> bool:
         """Whether x goes through labkit's GEMV kernel: up to its MAX_ROWS 16-bit rows (of `width`
-        features) on CUDA, where the kernel beat cuBLAS on an H200 on every batch-1 decode projection
-        measured, and at two rows on SmolLM2's and Qwen3-0.6B's (docs/benchmarks.md; tall weights such
-        as Qwen2.5's down_proj, 4864 -> 896, split along K at one row)."""
+        features) on CUDA. On an H200 the kernel beat cuBLAS on every batch-1 decode projection
+        measured, and at two rows on seven of the eight SmolLM2 and Qwen3-0.6B projections timed (the
+        eighth fuses the norm cuBLAS runs apart; docs/benchmarks.md). Tall weights such as Qwen2.5's
+        down_proj, 4864 -> 896, split along K at one row."""
         if x.shape[-1] != width or x.dtype == torch.float32 or self.weight.stride(1) != 1:
             return False
         return width <= x.numel() <= width * triton_kernels().gemv_max_rows() and use_triton_kernels(x)

@@ -218,11 +218,11 @@ class SchedulerSpecMixin:
         if self.tp.is_leader:
             self.step_costs.record(mode, len(batch.reqs), seconds)
 
-    def prepare_verify(self, batch: ScheduleBatch, budgets: list[int] | None = None) -> bool:
+    def prepare_verify(self, batch: ScheduleBatch, budgets: list[int] | None) -> bool:
         """Make a DECODE batch a TARGET_VERIFY one: its requests' drafts, their KV slots and the
         sampler's rows. False (the batch untouched) when drafting does not pay (drafting_budgets, then
         worth_drafting of the drafts found), or the slots are short. `budgets`: drafting_budgets of
-        the batch's requests already asked this step (None: ask)."""
+        the batch's requests as asked this step, or None to ask now."""
         assert self.drafter is not None
         if budgets is None:
             budgets = self.drafting_budgets(batch.reqs)
