@@ -4,7 +4,8 @@ labkit.kernels.reference: store_kv (kv_cache.py), decode_attention (decode.py), 
 (activation.py), moe_align_block_size (moe_align.py) and fused_moe (fused_moe.py); and gemv,
 gemv_rmsnorm and gemv_silu_and_mul (gemv.py: a one-row linear layer, alone or after the norm or the
 activation that precedes it, split along K where the weight is tall; the references are F.linear
-after those). The decode-path kernels (gemv, rotary, store_kv, decode_attention) launch
+after those; gemv_all_reduce.py sums a row-parallel layer's products over the ranks in the GEMV's
+epilogue). The decode-path kernels (gemv, rotary, store_kv, decode_attention) launch
 programmatically dependent on the kernel ahead on Hopper-class GPUs (pdl.py).
 `python -m labkit.kernels.bench` times the attention kernels on a GPU, `python -m
 labkit.kernels.bench_moe` the mixture-of-experts kernels.

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from labkit.kernels.decode import num_sms
+from labkit.kernels.gemv_all_reduce import GemvAllReduce, no_all_reduce, sum_over_ranks
 from labkit.kernels.pdl import pdl_launch_dependents, pdl_options, pdl_wait_only
 
 MAX_ROWS = 2  # rows a launch takes (a program per row and tile; module docstring)
@@ -187,6 +188,12 @@ def _gemv_kernel(
     stride_wn,
     eps,
     stride_xm,
+    Buffers,
+    Flags,
+    Epoch,
+    slot_stride,
+    row_stride,
+    tiles_cap,
     HAS_BIAS: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -194,6 +201,8 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
 ):
     row = tl.program_id(2).to(tl.int64)  # this program's row: its input, output and residual rows
     X += row * stride_xm
@@ -224,8 +233,12 @@ def _gemv_kernel(
     if done:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        y = gemv_outputs(acc, sq_sum, B, offs_n, n_mask, K, eps, HAS_BIAS, PROLOGUE)
-        tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=n_mask)
+        y = gemv_outputs(acc, sq_sum, B, offs_n, n_mask, K, eps, HAS_BIAS, PROLOGUE).to(Y.dtype.element_ty)
+        if WORLD > 1:  # a row-parallel layer's partial sums: the all-reduce in the epilogue
+            y = sum_over_ranks(
+                y, offs_n, n_mask, Buffers, Flags, Epoch, slot_stride, row_stride, tiles_cap, RANK, WORLD
+            ).to(Y.dtype.element_ty)
+        tl.store(Y + offs_n, y, mask=n_mask)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, width: int, max_rows: int) -> None:
@@ -351,11 +364,25 @@ def launch_args(
     return (tiles, split_k), args, options
 
 
-def _launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, *rest: Any) -> None:
+def _launch(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    *rest: Any,
+    all_reduce: GemvAllReduce | None = None,
+) -> None:
     """_gemv_kernel over contiguous rows [M, K] (or [M, 2K]) into out [M, N]: a program per tile,
-    split and row."""
+    split and row; with `all_reduce`, out is the sum over its ranks (the bias must then be added after)."""
     (tiles, split_k), args, options = launch_args(rows, weight, bias, out, *rest)
-    _gemv_kernel[(tiles, split_k, rows.shape[0])](*args, rows.stride(0), **options)
+    if all_reduce is None:
+        reduce_args, reduce_options = no_all_reduce(rows)
+    elif bias is not None:
+        raise ValueError("a GEMV summed over the ranks takes no bias (each rank would add it)")
+    else:
+        reduce_args, reduce_options = all_reduce.launch_args(rows.shape[0], weight.shape[0], tiles)
+    grid = (tiles, split_k, rows.shape[0])
+    _gemv_kernel[grid](*args, rows.stride(0), *reduce_args, **options, **reduce_options)
 
 
 @dataclass(frozen=True)
@@ -371,14 +398,19 @@ class Split:
 
 
 def gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, split: Split = Split()
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    split: Split = Split(),
+    all_reduce: GemvAllReduce | None = None,
 ) -> torch.Tensor:
     """x [..., K] holding 1 to MAX_ROWS rows, weight [N, K] with unit stride along K, bias [N] or
-    None -> [..., N] in x's dtype, equal to F.linear(x, weight, bias) up to float32 summation order."""
+    None -> [..., N] in x's dtype, equal to F.linear(x, weight, bias) up to float32 summation order.
+    With `all_reduce` (no bias), the sum of that over the group's ranks (kernels/gemv_all_reduce.py)."""
     n, k = weight.shape
     _check(x, weight, k, MAX_ROWS)
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    _launch(x.reshape(-1, k).contiguous(), weight, bias, out, split)
+    _launch(x.reshape(-1, k).contiguous(), weight, bias, out, split, all_reduce=all_reduce)
     return out
 
 
@@ -419,12 +451,16 @@ def gemv_rmsnorm(
 
 
 def gemv_silu_and_mul(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, split: Split = Split()
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    split: Split = Split(),
+    all_reduce: GemvAllReduce | None = None,
 ) -> torch.Tensor:
-    """gemv(silu_and_mul(x), weight, bias) in one kernel: x [..., 2K] = [gate | up] holding 1 to
-    MAX_ROWS rows, weight [N, K] -> [..., N] in x's dtype."""
+    """gemv(silu_and_mul(x), weight, bias, split, all_reduce) in one kernel: x [..., 2K] = [gate |
+    up] holding 1 to MAX_ROWS rows, weight [N, K] -> [..., N] in x's dtype."""
     n, k = weight.shape
     _check(x, weight, 2 * k, MAX_ROWS)
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    _launch(x.reshape(-1, 2 * k).contiguous(), weight, bias, out, split, SILU_AND_MUL)
+    _launch(x.reshape(-1, 2 * k).contiguous(), weight, bias, out, split, SILU_AND_MUL, all_reduce=all_reduce)
     return out

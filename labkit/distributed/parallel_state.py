@@ -10,6 +10,7 @@ import datetime
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,6 +72,20 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         self._count(x, start)
         return x
+
+    def gemv_all_reduce(self, x: torch.Tensor, n: int) -> Any:
+        """The GEMV epilogue that sums a row-parallel product of x's rows and n outputs over the
+        ranks (labkit.kernels.gemv_all_reduce.GemvAllReduce), counted as an all-reduce; None where
+        the product must go through all_reduce instead."""
+        custom = self.custom_all_reduce
+        if custom is None or custom.gemv_epilogue is None or not custom.can_run(x):
+            return None
+        rows = x.numel() // x.shape[-1]
+        if not custom.gemv_epilogue.takes(rows, n):
+            return None
+        self.stats.calls += 1
+        self.stats.bytes += rows * n * x.element_size()
+        return custom.gemv_epilogue
 
     def enable_custom_all_reduce(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """Collective: route small all-reduces of `dtype` through CustomAllReduce. Returns why not

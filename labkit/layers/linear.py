@@ -66,11 +66,20 @@ class LinearBase(nn.Module):
         in_features = self.weight.shape[1]
         if act is not None:
             if self.gemv_takes(x, 2 * in_features):
-                return triton_kernels().gemv_silu_and_mul(x, self.weight, bias, self.gemv_split(x))
+                return self.gemv(x, bias, act)
             x = act(x)
         if self.gemv_takes(x, in_features):
-            return triton_kernels().gemv(x, self.weight, bias, self.gemv_split(x))
+            return self.gemv(x, bias, None)
         return F.linear(x, self.weight, bias)
+
+    def gemv(
+        self, x: torch.Tensor, bias: torch.Tensor | None, act: SiluAndMul | None, all_reduce: Any = None
+    ) -> torch.Tensor:
+        """act(x) W^T (+ bias) through the GEMV kernel (gemv_takes said yes), with the activation in
+        its prologue and, given `all_reduce` (TPGroup.gemv_all_reduce's), summed over the ranks."""
+        kernels = triton_kernels()
+        fn = kernels.gemv if act is None else kernels.gemv_silu_and_mul
+        return fn(x, self.weight, bias, self.gemv_split(x), all_reduce)
 
     def load(self, param: nn.Parameter, full: torch.Tensor, shard_id: int | None = None) -> None:
         """Copy this rank's slice of `full` (the whole parameter, or block `shard_id` of a fused one)."""
@@ -167,10 +176,17 @@ class RowParallelLinear(LinearBase):
         super().__init__(self.in_local, out_features, bias, tp, (out_features, in_features))
 
     def forward(self, x: torch.Tensor, act: SiluAndMul | None = None) -> torch.Tensor:
-        """act(x) W^T (+ b), act applied to this rank's slice of x (see matmul)."""
+        """act(x) W^T (+ b), act applied to this rank's slice of x (see matmul). Where the GEMV kernel
+        takes the rows, the sum over the ranks is its epilogue (no all-reduce launch) when the group
+        has one for them."""
         if self.tp.size == 1:
             return self.matmul(x, self.bias, act)
-        out = self.tp.all_reduce(self.matmul(x, None, act))
+        width = self.in_local * (1 if act is None else 2)
+        epilogue = self.tp.gemv_all_reduce(x, self.weight.shape[0]) if self.gemv_takes(x, width) else None
+        if epilogue is not None:
+            out = self.gemv(x, None, act, epilogue)
+        else:
+            out = self.tp.all_reduce(self.matmul(x, None, act))
         return out if self.bias is None else out + self.bias
 
     def load(self, param: nn.Parameter, full: torch.Tensor, shard_id: int | None = None) -> None:
