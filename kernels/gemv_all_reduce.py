@@ -82,18 +82,9 @@ def _flag(Flags, rank, slot, source, tile, tiles_cap, WORLD: tl.constexpr):
 
 @triton.jit
 def sum_over_ranks(
-    part,
-    offs_n,
-    n_mask,
-    Buffers,
-    Flags,
-    Epoch,
-    slot_stride,
-    row_stride,
-    tiles_cap,
-    RANK: tl.constexpr,
-    WORLD: tl.constexpr,
-):
+    part, offs_n, n_mask, Buffers, Flags, Epoch, slot_stride, row_stride, tiles_cap,
+    RANK: tl.constexpr, WORLD: tl.constexpr,
+):  # fmt: skip
     """This program's finished tile `part` (its outputs in the output dtype) summed over the ranks,
     in float32 (module docstring). Called once per (tile, row) program of the launch, after the
     program's wait for the kernel ahead."""
