@@ -16,13 +16,15 @@ The buffers and flags live in torch's symmetric memory (labkit/distributed/custo
 allocates them): each rank's are mapped into every other rank's address space, over NVLink.
 
 A launch's flags and partials are those of one of two slots, by the parity of an epoch that counts
-this rank's fused launches; a flag holds the number of times its slot was used, so nothing resets
-it. Two slots suffice: a rank starts writing launch e + 2's partials only after launch e + 1 has seen
-every other rank's flags for it, and a rank raises those only after it has finished launch e (its
-kernels run in stream order, and a programmatically dependent one writes only after its wait, which
-returns when the kernel ahead, and so every kernel before it, has finished). The launch's last program to
-finish moves the epoch on (an arrival counter, as the GEMV's split-K semaphores). Every rank must
-make the same sequence of fused launches, which tensor parallelism's identical forwards do.
+this rank's fused launches (modulo EPOCH_WRAP, so a server that decodes for days never overflows
+it); a flag holds the number of times its slot was used, so nothing resets it, and that differs from
+one use of a slot to the next, across the wrap too. Two slots suffice: a rank starts writing launch
+e + 2's partials only after launch e + 1 has seen every other rank's flags for it, and a rank raises
+those only after it has finished launch e (its kernels run in stream order, and a programmatically
+dependent one writes only after its wait, which returns when the kernel ahead, and so every kernel
+before it, has finished). The launch's last program to finish moves the epoch on (an arrival
+counter, as the GEMV's split-K semaphores). Every rank must make the same sequence of fused
+launches, which tensor parallelism's identical forwards do.
 
 A program waits only for the programs of its own tile on the other ranks, which hold the same place
 in the same grid; blocks are dispatched in order, so those are resident or finished when it waits."""
@@ -34,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+EPOCH_WRAP = tl.constexpr(1 << 30)  # even, so a launch's slot follows the parity across the wrap
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,7 @@ def sum_over_ranks(
     tl.debug_barrier()
     if tl.atomic_add(Epoch + 1, 1, sem="acq_rel") == tiles * tl.num_programs(2) - 1:  # the launch's last
         tl.store(Epoch + 1, 0)
-        tl.store(Epoch, epoch + 1)
+        tl.store(Epoch, (epoch + 1) % EPOCH_WRAP)
     return total
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from labkit.kernels import gemv, gemv_silu_and_mul
-from labkit.kernels.gemv_all_reduce import GemvAllReduce, tiles_cap
+from labkit.kernels.gemv_all_reduce import EPOCH_WRAP, GemvAllReduce, tiles_cap
 
 CUDA = torch.cuda.is_available()
 # (outputs, inputs, rows, the activation in the prologue): Llama-3-8B's o_proj and down_proj at
@@ -31,18 +31,20 @@ def _inputs(n: int, k: int, rows: int, act: bool, gen: torch.Generator, dtype: t
 
 
 def test_one_rank_adds_its_peers_partials_in_rank_order_slot_by_slot(gen, device):
-    """Rank 1 of 2 (the peer, rank 0, comes first in the sum), three launches: the slots alternate,
-    the flags raised on the peer count the slot's uses, and the epoch counts launches."""
+    """Rank 1 of 2 (the peer, rank 0, comes first in the sum), three launches from just before the
+    epoch wraps: the slots alternate, the flags raised on the peer count the slot's uses, and the
+    epoch counts launches."""
     world, rank, rows_cap, n_cap = 2, 1, 2, 256
     flags_cap = tiles_cap(rows_cap, n_cap, 4)
     partials = [torch.zeros(2, rows_cap, n_cap, device=device) for _ in range(world)]
     flags = [torch.zeros(2, world, flags_cap, dtype=torch.int32, device=device) for _ in range(world)]
     addresses = [torch.tensor([t.data_ptr() for t in ts], device=device) for ts in (partials, flags)]
-    epoch = torch.zeros(2, dtype=torch.int32, device=device)
+    wrap = EPOCH_WRAP.value
+    epoch = torch.tensor([wrap - 2, 0], dtype=torch.int32, device=device)
     epilogue = GemvAllReduce(rank, world, *addresses, epoch, rows_cap, n_cap, flags_cap)
     n, k = 200, 96
     tiles = -(-n // 8)
-    for launch in range(3):
+    for launch in (wrap - 2, wrap - 1, 0):
         slot, raised = launch % 2, launch // 2 + 1
         x, w = _inputs(n, k, 2, False, gen, torch.float32, device)
         peer = torch.randn(2, n, generator=gen, device=device)
@@ -51,7 +53,7 @@ def test_one_rank_adds_its_peers_partials_in_rank_order_slot_by_slot(gen, device
         out = gemv(x, w, None, all_reduce=epilogue)
         assert torch.equal(out, peer + gemv(x, w))  # float32: (0 + peer) + own, the kernel's order
         assert (flags[0][slot, rank, : 2 * tiles] == raised).all() and not flags[0][slot, rank, 2 * tiles :].any()
-        assert epilogue.epoch.tolist() == [launch + 1, 0]
+        assert epilogue.epoch.tolist() == [(launch + 1) % wrap, 0]
 
 
 def test_a_launch_the_buffers_cannot_hold_is_refused(gen, device):
