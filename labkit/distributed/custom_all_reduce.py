@@ -66,6 +66,7 @@ class CustomAllReduce:
         from labkit.kernels.gemv_all_reduce import GemvAllReduce, tiles_cap
 
         world, rows = dist.get_world_size(group), gemv_max_rows()
+        # 4: the narrowest tile gemv picks (its TALL_TILE); a launch of narrower ones is refused.
         flags_per_source = tiles_cap(rows, EPILOGUE_MAX_N, min_block_n=4)
         partials = symm_mem.empty(2 * rows * EPILOGUE_MAX_N, dtype=torch.float32, device=device)
         flags = symm_mem.empty(2 * world * flags_per_source, dtype=torch.int32, device=device).zero_()
