@@ -198,6 +198,13 @@ class EngineConfig:
         default=4, metadata={"help": "ngram: longest context suffix looked up (shorter ones are tried after it)"}
     )
     speculative_ngram_min_n: int = field(default=1, metadata={"help": "ngram: shortest context suffix looked up"})
+    speculative_ngram_min_match: int = field(
+        default=2,
+        metadata={
+            "help": "ngram: draft only where at least this many tokens before the draft's source equal the "
+            "context's last ones (a copy resumed after an edit waits for the tokens that confirm it)"
+        },
+    )
     speculative_ngram_share: bool = field(
         default=False,
         metadata={"help": "ngram: also look the suffix up in other requests' recent outputs"},

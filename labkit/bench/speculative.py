@@ -3,6 +3,7 @@ drafter, on a copy-heavy workload and on plain chat.
 
     python -m labkit.bench.speculative [--algorithms ngram draft] [--workloads copy chat] [--batch-sizes 1 16]
                                        [--num-draft-tokens 4] [--min-batch-gain G] [--min-accept-rate R]
+                                       [--ngram-min-match M]
                                        [--output-len 128] [--repeats 3] [--min-requests 4] [--min-groups 1]
                                        [--device auto] [--dtype auto]
                                        [--draft-model-path PATH] [--json out.json]
@@ -260,6 +261,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
         default=None,
         help="the engines' --speculative-min-accept-rate (default: the engine's default)",
     )
+    ap.add_argument(
+        "--ngram-min-match",
+        type=int,
+        default=None,
+        help="the engines' --speculative-ngram-min-match (default: the engine's default)",
+    )
     ap.add_argument("--output-len", type=int, default=128, help="max_new_tokens (EOS allowed)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; the median counts")
     ap.add_argument("--min-requests", type=int, default=4, help="fewest requests per run (batch 1: one by one)")
@@ -286,6 +293,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     engine_kw = {"device": args.device, "dtype": args.dtype, "model_path": args.model_path}
     engine_kw["load_format"] = args.load_format
     engine_kw["tokenizer_path"] = args.tokenizer_path
+    if args.ngram_min_match is not None:
+        engine_kw["speculative_ngram_min_match"] = args.ngram_min_match
     engines = make_engines(
         args.algorithms,
         args.num_draft_tokens,

@@ -1,6 +1,6 @@
 """The n-gram drafter's lookup: latest earlier occurrence (or near the anchor of a copy in
 progress), longest n first, never the suffix itself, loops drafted to their full length, and other
-requests' outputs when sharing is on."""
+requests' outputs when sharing is on; a draft withheld until enough tokens confirm its source."""
 
 from __future__ import annotations
 
@@ -90,11 +90,38 @@ def test_an_anchor_picks_the_first_occurrence_at_or_after_it():
     assert index.lookup([1], 2, anchor=5) == ([8, 9], 4)  # none after it: the latest
 
 
+def unconfirmed_drafter(max_n: int) -> NgramDrafter:
+    """A drafter that proposes every draft it finds (speculative_ngram_min_match 0): the lookup alone."""
+    config = EngineConfig(speculative_ngram_max_n=max_n, speculative_ngram_min_match=0)
+    return NgramDrafter(config, SimpleNamespace(vocab_size=100))
+
+
+def test_a_draft_waits_until_enough_tokens_before_its_source_confirm_it():
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 99, 4, 50, 51, 52]
+    drafter = NgramDrafter(EngineConfig(speculative_ngram_max_n=3), SimpleNamespace(vocab_size=100))
+    req = fake_req("r", prompt, [1])
+    assert drafter.propose([req], [4]) == [[]]  # "1" matches one token: withheld
+    req.output_ids += [2]
+    assert drafter.propose([req], [4]) == [[3, 4, 5, 6]]  # "1 2": two tokens confirm it
+    req.output_ids += [3, 77]  # kept 3, then inserted 77 where 4 was drafted
+    assert drafter.propose([req], [4]) == [[]]  # the copy would resume at 4, after nothing that agrees
+    req.output_ids += [4]
+    assert drafter.propose([req], [4]) == [[]]  # "4" agrees, "77" does not: one token
+    req.output_ids += [5]
+    # Withheld drafts still moved the copy's anchor on: it goes on from its place in the text.
+    assert drafter.propose([req], [4]) == [[6, 7, 8, 99]]
+    req.output_ids += [6, FutureMap.future_token(0)]  # the next token still on its way: guessed as 7
+    assert drafter.propose([req], [2]) == [[8, 99]]
+    for min_match in (0, 1, 2, 3):
+        config = EngineConfig(speculative_ngram_max_n=3, speculative_ngram_min_match=min_match)
+        fresh = NgramDrafter(config, SimpleNamespace(vocab_size=100))
+        assert fresh.propose([fake_req("s", prompt, [2, 3])], [1]) == ([[4]] if min_match <= 2 else [[]])
+
+
 def test_a_copy_goes_on_from_its_place_after_an_inserted_token():
     # The prompt: a text to copy, then a later "4" followed by something else.
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 99, 4, 50, 51, 52]
-    target = SimpleNamespace(vocab_size=100)
-    drafter = NgramDrafter(EngineConfig(speculative_ngram_max_n=3), target)
+    drafter = unconfirmed_drafter(3)
     req = fake_req("r", prompt, [1])
     assert drafter.propose([req], [4]) == [[2, 3, 4, 5]]
     req.output_ids += [2, 3, 77]  # the copy kept 2 and 3, then inserted 77 where 4 was drafted
@@ -102,7 +129,7 @@ def test_a_copy_goes_on_from_its_place_after_an_inserted_token():
     req.output_ids += [4]
     # The copy goes on from its place in the text, not from the latest "4".
     assert drafter.propose([req], [4]) == [[5, 6, 7, 8]]
-    fresh = NgramDrafter(EngineConfig(speculative_ngram_max_n=3), target)
+    fresh = unconfirmed_drafter(3)
     assert fresh.propose([fake_req("s", prompt, [1, 2, 3, 77, 4])], [4]) == [[50, 51, 52, 1]]
     drafter.release(req)
     assert drafter.idle() and not drafter.copying
@@ -112,15 +139,14 @@ def test_a_copy_resumes_near_its_anchor_rather_than_at_a_longer_match_far_ahead(
     # The text: 10 11 12 13 14 15 16 ... and further on "9 13 40 41 42": after the copy replaced
     # 12 with 9, the 2-gram "9 13" occurs far ahead, the 1-gram "13" right after the anchor.
     prompt = [10, 11, 12, 13, 14, 15, 16, 60, 61, 62, 63, 64, 65, 9, 13, 40, 41, 42]
-    target = SimpleNamespace(vocab_size=100)
-    drafter = NgramDrafter(EngineConfig(speculative_ngram_max_n=2), target)
+    drafter = unconfirmed_drafter(2)
     req = fake_req("r", prompt, [10])
     assert drafter.propose([req], [3]) == [[11, 12, 13]]
     req.output_ids += [11, 9]  # kept 11, then 9 where 12 was drafted
     assert drafter.propose([req], [3]) == [[12, 13, 14]]  # an insertion, as far as it knows
     req.output_ids += [13]  # no: 9 replaced 12
     assert drafter.propose([req], [3]) == [[14, 15, 16]]
-    far = NgramDrafter(EngineConfig(speculative_ngram_max_n=2), target)
+    far = unconfirmed_drafter(2)
     assert far.propose([fake_req("s", prompt, [10, 11, 9, 13])], [3]) == [[40, 41, 42]]  # no copy: longest n
 
 
