@@ -1,12 +1,13 @@
 """Triton kernels (import path labkit.kernels), each with a plain-PyTorch reference in
 labkit.kernels.reference: store_kv (kv_cache.py), decode_attention (decode.py), extend_attention
-(extend.py), rmsnorm and fused_add_rmsnorm (norm.py), rotary_embedding (rotary.py), silu_and_mul
-(activation.py), moe_align_block_size (moe_align.py) and fused_moe (fused_moe.py); and gemv,
-gemv_rmsnorm and gemv_silu_and_mul (gemv.py: a one-row linear layer, alone or after the norm or the
-activation that precedes it, split along K where the weight is tall; the references are F.linear
-after those; gemv_all_reduce.py sums a row-parallel layer's products over the ranks in the GEMV's
-epilogue). The decode-path kernels (gemv, rotary, store_kv, decode_attention) launch
-programmatically dependent on the kernel ahead on Hopper-class GPUs (pdl.py).
+(extend.py), rmsnorm and fused_add_rmsnorm (norm.py), rotary_embedding and rotary_embedding_store
+(rotary.py; the second also stores K/V as store_kv does), silu_and_mul (activation.py),
+moe_align_block_size (moe_align.py) and fused_moe (fused_moe.py); and gemv, gemv_rmsnorm and
+gemv_silu_and_mul (gemv.py: a one-row linear layer, alone or after the norm or the activation that
+precedes it, split along K where the weight is tall; the references are F.linear after those;
+gemv_all_reduce.py sums a row-parallel layer's products over the ranks in the GEMV's epilogue). The
+decode-path kernels (gemv, rotary, store_kv, decode_attention) launch programmatically dependent on
+the kernel ahead on Hopper-class GPUs (pdl.py).
 `python -m labkit.kernels.bench` times the attention kernels on a GPU, `python -m
 labkit.kernels.bench_moe` the mixture-of-experts kernels.
 
@@ -27,7 +28,7 @@ from labkit.kernels.gemv_qkv import QKVHeads, fuses_qkv, gemv_qkv_rope_store
 from labkit.kernels.kv_cache import store_kv
 from labkit.kernels.moe_align import moe_align_block_size
 from labkit.kernels.norm import fused_add_rmsnorm, rmsnorm
-from labkit.kernels.rotary import rotary_embedding
+from labkit.kernels.rotary import rotary_embedding, rotary_embedding_store
 
 __all__ = [
     "ExtendPlan",
@@ -48,6 +49,7 @@ __all__ = [
     "moe_align_block_size",
     "rmsnorm",
     "rotary_embedding",
+    "rotary_embedding_store",
     "silu_and_mul",
     "store_kv",
 ]

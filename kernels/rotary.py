@@ -1,7 +1,9 @@
 """Rotary position embedding, neox style (rotate halves), as labkit.layers.rotary.apply_rope, optionally
 preceded by a per-head RMSNorm (Qwen3's q_norm / k_norm) in the same pass: the norm needs a whole head,
 which this kernel holds anyway, and fusing it saves a copy of the strided q/k views, two norm launches
-and a second trip through memory per layer."""
+and a second trip through memory per layer. rotary_embedding_store also writes the rotated k and the
+v of each token into the KV pool (store_kv's work) in the same launch: a decode or verify forward of
+several rows then launches one kernel a layer fewer."""
 
 from __future__ import annotations
 
@@ -65,6 +67,12 @@ def _rope_kernel(
     Q_w,
     K_w,
     eps,
+    V,
+    V_buf,
+    Loc,
+    stride_vt,
+    stride_kbs,
+    stride_vbs,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -81,10 +89,23 @@ def _rope_kernel(
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    STORE: tl.constexpr,  # k to K_buf and v to V_buf at slot Loc[t] (a third program copies v)
+    V_ROW: tl.constexpr,
+    BLOCK_V: tl.constexpr,
     PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pdl_wait(PDL)
+    if STORE:
+        slot = tl.load(Loc + t).to(tl.int64)
+        if tl.program_id(1) == 2:
+            offs_v = tl.arange(0, BLOCK_V)
+            row = tl.load(V + t * stride_vt + offs_v, mask=offs_v < V_ROW)
+            tl.store(V_buf + slot * stride_vbs + offs_v, row.to(V_buf.dtype.element_ty), mask=offs_v < V_ROW)
+            return
+        # The slot's row as K_out's token 0: rope_heads writes token t at K_out + t * stride_kot.
+        K_out += slot * stride_kbs
+        stride_kot = 0
     pos = tl.load(Positions + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     cos = tl.load(Cos_sin + pos * stride_cs + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
@@ -149,10 +170,6 @@ def rotary_embedding(
     inplace=True overwrites q and k and returns them; otherwise returns new contiguous tensors.
     norm_weights=(q_weight, k_weight), each [D]: every head is first RMS-normalized with eps and scaled
     by its weight, rounded to the input dtype as kernels.norm.rmsnorm does, then rotated."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_k_heads = k.shape[1]
-    assert k.shape[2] == head_dim and cos_sin_cache.shape[1] == head_dim and head_dim % 2 == 0
-    assert q.stride(2) == 1 and k.stride(2) == 1 and cos_sin_cache.stride(1) == 1
     q_out, k_out = (
         (q, k)
         if inplace
@@ -161,13 +178,56 @@ def rotary_embedding(
             torch.empty_like(k, memory_format=torch.contiguous_format),
         )
     )
+    _launch(positions, q, k, q_out, k_out, cos_sin_cache, norm_weights, eps, None)
+    return q_out, k_out
+
+
+def rotary_embedding_store(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """rotary_embedding's q (a new contiguous tensor), with the rotated k and v [T, H_kv, D] (last dim
+    contiguous, the heads of a token adjacent) written into the pool's k_buffer / v_buffer [slots,
+    H_kv, D] at slots loc [T], as store_kv writes them: the same bits as the two kernels. The buffers
+    must hold q's dtype (store_kv quantizes for a float8 pool)."""
+    assert k_buffer.dtype == v_buffer.dtype == q.dtype and k_buffer.shape[1:] == k.shape[1:] == v.shape[1:]
+    assert k_buffer[0].is_contiguous() and v_buffer[0].is_contiguous() and v.stride(1) == v.shape[2]
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    _launch(positions, q, k, q_out, k_buffer, cos_sin_cache, norm_weights, eps, (v, v_buffer, loc))
+    return q_out
+
+
+def _launch(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    norm_weights: tuple[torch.Tensor, torch.Tensor] | None,
+    eps: float,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,  # (v, v_buffer, loc): k_out is the pool's
+) -> None:
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    assert k.shape[2] == head_dim and cos_sin_cache.shape[1] == head_dim and head_dim % 2 == 0
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos_sin_cache.stride(1) == 1
     if num_tokens == 0:
-        return q_out, k_out
+        return
     if norm_weights is not None:
         assert all(w.shape == (head_dim,) and w.is_contiguous() for w in norm_weights)
     q_w, k_w = norm_weights if norm_weights is not None else (cos_sin_cache, cos_sin_cache)  # unread
+    v, v_buffer, loc = store if store is not None else (q, q, positions)  # unread without STORE
     half = head_dim // 2
-    _rope_kernel[(num_tokens, 2)](
+    _rope_kernel[(num_tokens, 2 if store is None else 3)](
         positions,
         q,
         k,
@@ -177,6 +237,12 @@ def rotary_embedding(
         q_w,
         k_w,
         eps,
+        v,
+        v_buffer,
+        loc,
+        v.stride(0),
+        k_out.stride(0),
+        v_buffer.stride(0),
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -193,7 +259,9 @@ def rotary_embedding(
         BLOCK_HK=triton.next_power_of_2(num_k_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
         HAS_NORM=norm_weights is not None,
+        STORE=store is not None,
+        V_ROW=num_k_heads * head_dim,
+        BLOCK_V=triton.next_power_of_2(num_k_heads * head_dim),
         num_warps=4,
         **pdl_options(q.device, num_tokens),
     )
-    return q_out, k_out

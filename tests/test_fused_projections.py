@@ -1,7 +1,8 @@
 """The decoder layer's norms and the MLP's activation fused into the projections after them (the GEMV
-kernel's prologues, taken by a single 16-bit row on CUDA), and the rotary and the KV store fused into
-qkv_proj (gemv_qkv_rope_store, under the triton backend): a model decodes through them as through
-the separate kernels. On CPU the GEMV path is forced for float32 rows and runs in Triton's
+kernel's prologues, taken by a single 16-bit row on CUDA), the rotary and the KV store fused into
+qkv_proj (gemv_qkv_rope_store, under the triton backend), and for rows the GEMV does not take the KV
+store fused into the rotary (rotary_embedding_store): a model decodes through them as through the
+separate kernels. On CPU the GEMV path is forced for float32 rows and runs in Triton's
 interpreter; on CUDA the layers take it by themselves in bfloat16 (from the decode CUDA graphs)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import labkit.kernels
 import labkit.layers.rotary
 from labkit import Engine
 from labkit.layers.linear import LinearBase
+from labkit.models.llama import LlamaAttention
 
 CUDA = torch.cuda.is_available()
 PROMPT = [5, 17, 42, 99, 42, 7]
@@ -26,9 +28,9 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, fused: list[str] = FUSED) -> di
     def counting(name: str):
         kernel = getattr(labkit.kernels, name)
 
-        def counted(*args):
+        def counted(*args, **kwargs):
             calls[name] += 1
-            return kernel(*args)
+            return kernel(*args, **kwargs)
 
         return counted
 
@@ -41,8 +43,9 @@ def decode_with_and_without_gemv(model: str, monkeypatch: pytest.MonkeyPatch, fu
     """(calls of the fused kernels, output through them, output through the separate kernels)."""
     device, dtype = ("cuda", "bfloat16") if CUDA else ("cpu", "float32")
     kw |= {"model_path": model, "load_format": "dummy", "device": device, "dtype": dtype}
-    with monkeypatch.context() as m:
-        m.setattr(LinearBase, "gemv_takes", lambda self, x, width: False)  # the separate kernels
+    with monkeypatch.context() as m:  # the separate kernels
+        m.setattr(LinearBase, "gemv_takes", lambda self, x, width: False)
+        m.setattr(LlamaAttention, "_pool_to_store", lambda self, rope, q, fb: None)
         ref = Engine(**kw).generate(input_ids=PROMPT, sampling_params=PARAMS)
     if not CUDA:  # float32 rows take the GEMV path only when forced
         monkeypatch.setattr(LinearBase, "gemv_takes", lambda self, x, width: x.numel() == width)
@@ -85,3 +88,26 @@ def test_qkv_with_rotary_and_kv_store_decodes_as_the_separate_kernels(model, mon
     layers = 2  # the tiny models'
     assert calls["gemv_qkv_rope_store"] == layers * (PARAMS["max_new_tokens"] - 1), calls  # not in the prefill
     assert_same_decode(out, ref)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+def test_rotary_with_kv_store_decodes_as_the_separate_kernels(model, monkeypatch):
+    """Rows the GEMV does not take (two requests, and the GEMV off) run qkv_proj as a matmul, then
+    under the triton backend rotary_embedding_store in every decode step's layers: the same tokens as
+    rotary_embedding then store_kv, and the logprobs within the dtype's rounding."""
+    if not CUDA:
+        monkeypatch.setattr(labkit.layers.rotary, "use_triton_kernels", lambda x: True)
+    monkeypatch.setattr(LinearBase, "gemv_takes", lambda self, x, width: False)
+    device, dtype = ("cuda", "bfloat16") if CUDA else ("cpu", "float32")
+    kw = {"model_path": model, "load_format": "dummy", "device": device, "dtype": dtype, "attention_backend": "triton"}
+    kw |= {"disable_cuda_graph": True, "disable_overlap_schedule": True}
+    prompts = [PROMPT, PROMPT[::-1] + [3]]
+    with monkeypatch.context() as m:
+        m.setattr(LlamaAttention, "_pool_to_store", lambda self, rope, q, fb: None)
+        ref = Engine(**kw).generate(input_ids=prompts, sampling_params=PARAMS)
+    calls = count_calls(monkeypatch, ["rotary_embedding_store"])
+    out = Engine(**kw).generate(input_ids=prompts, sampling_params=PARAMS)
+    layers = 2  # the tiny models'
+    assert calls["rotary_embedding_store"] == layers * (PARAMS["max_new_tokens"] - 1), calls  # not in the prefill
+    for a, b in zip(out, ref):
+        assert_same_decode(a, b)

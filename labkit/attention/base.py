@@ -54,9 +54,10 @@ class AttentionBackend(ABC):
     - Results must not depend on how requests are grouped into a batch beyond floating-point rounding,
       and must work for any page_size (slots come from req_to_token; no contiguity is assumed).
     - DECODE has exactly one token per request; EXTEND and MIXED any number >= 1 per request.
-    - With `takes_stored_kv`, `forward(q, None, None, layer, fb)` of a DECODE batch is attention where
-      the layer has already written the new tokens' K and V into the pool at fb.out_cache_loc (fused
-      into its qkv projection: labkit.kernels.gemv_qkv_rope_store); `forward_decode_stored` runs it.
+    - With `takes_stored_kv`, `forward(q, None, None, layer, fb)` of a DECODE (or TARGET_VERIFY) batch is
+      attention where the layer has already written the new tokens' K and V into the pool at
+      fb.out_cache_loc (fused into its qkv projection, labkit.kernels.gemv_qkv_rope_store, or into
+      its rotary, rotary_embedding_store); `forward_decode_stored` runs it.
     - With `supports_fp8_kv_cache`, a float8 pool (--kv-cache-dtype fp8_*) works too: K, V are
       stored through the pool's quantization (divided by its per-layer k_scale / v_scale, saturated)
       and read back dequantized (times the scale). Without it the ModelRunner refuses such a pool.

@@ -82,7 +82,7 @@ class TritonAttnBackend(AttentionBackend):
     """Triton kernels on CUDA (interpreter elsewhere). See AttentionBackend for the contract."""
 
     supports_fp8_kv_cache = True
-    takes_stored_kv = True  # a batch-1 decode layer's qkv kernel may store K/V itself (gemv_qkv_rope_store)
+    takes_stored_kv = True  # a decode layer may store K/V itself (gemv_qkv_rope_store, rotary_embedding_store)
 
     def __init__(self, config: AttentionBackendConfig) -> None:
         super().__init__(config)

@@ -114,14 +114,35 @@ class RopeInputs:
             if q_norm is not None:
                 q, k = q_norm(q), k_norm(k)
             return apply_rope(q, k, *self.cos_sin)
-        rotary_embedding = triton_kernels().rotary_embedding
-        if q_norm is None:
-            return rotary_embedding(self.rows, q, k, self.table)
-        if q_norm.eps != k_norm.eps:
-            raise ValueError("the fused q/k norm takes one eps for both")
-        return rotary_embedding(
-            self.rows, q, k, self.table, norm_weights=(q_norm.weight, k_norm.weight), eps=q_norm.eps
+        return triton_kernels().rotary_embedding(self.rows, q, k, self.table, **_norm_kwargs(q_norm, k_norm))
+
+    def apply_and_store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_norm: RMSNorm | None,
+        k_norm: RMSNorm | None,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        loc: torch.Tensor,
+    ) -> torch.Tensor:
+        """apply's q, with the rotated k and v [T, H_kv, D] written into a KV pool's buffers (of q's
+        dtype) at slots loc, in one kernel (labkit.kernels.rotary_embedding_store). CUDA only: the
+        fused kernel's table (prepare on CUDA)."""
+        assert self.table is not None, "apply_and_store needs the fused kernel's table"
+        return triton_kernels().rotary_embedding_store(
+            self.rows, q, k, v, self.table, k_buffer, v_buffer, loc, **_norm_kwargs(q_norm, k_norm)
         )
+
+
+def _norm_kwargs(q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> dict[str, Any]:
+    """The fused kernel's arguments for the per-head q/k norms (none without them)."""
+    if q_norm is None or k_norm is None:
+        return {}
+    if q_norm.eps != k_norm.eps:
+        raise ValueError("the fused q/k norm takes one eps for both")
+    return {"norm_weights": (q_norm.weight, k_norm.weight), "eps": q_norm.eps}
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -51,8 +51,25 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        pool = self._pool_to_store(rope, q, forward_batch)
+        if pool is not None:  # rope and the KV store in one kernel (a decode or verify forward)
+            v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+            q = rope.apply_and_store(q, k, v, self.q_norm, self.k_norm, *pool, forward_batch.out_cache_loc)
+            return self.o_proj(self.attn(q, None, None, forward_batch))
         q, k = rope.apply(q, k, self.q_norm, self.k_norm)  # q/k norm (Qwen3) fused into rope on CUDA
         return self.o_proj(self.attn(q, k, v, forward_batch))
+
+    def _pool_to_store(
+        self, rope: RopeInputs, q: torch.Tensor, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This layer's (K, V) pool buffers where the rotary kernel stores the new K/V itself: on CUDA
+        (the fused kernel's table), in a decode or verify forward of a backend that takes K/V stored,
+        into a pool of the model's dtype (store_kv quantizes for a float8 one). Else None."""
+        if rope.table is None or not fb.forward_mode.is_decode() or not fb.attn_backend.takes_stored_kv:
+            return None
+        layer = self.attn.spec.layer_id
+        k_buffer, v_buffer = fb.token_to_kv_pool.get_key_buffer(layer), fb.token_to_kv_pool.get_value_buffer(layer)
+        return (k_buffer, v_buffer) if k_buffer.dtype == q.dtype else None
 
     def forward_normed(
         self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, fb: ForwardBatch

@@ -1,11 +1,12 @@
-"""rotary_embedding against its reference and labkit's apply_rope (the convention models use)."""
+"""rotary_embedding against its reference and labkit's apply_rope (the convention models use);
+rotary_embedding_store against rotary_embedding then store_kv."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from labkit.kernels import rotary_embedding
+from labkit.kernels import rotary_embedding, rotary_embedding_store, store_kv
 from labkit.kernels.reference import cos_sin_cache, reference_rotary_embedding
 from labkit.layers.rotary import RotaryEmbedding, apply_rope
 
@@ -88,3 +89,26 @@ def test_rope_inputs_fused_norm_matches_torch_path(device, gen, check_close):
         q_t, k_t = RopeInputs(cos_sin=rope.cos_sin(positions, torch.float32)).apply(q, k, q_norm, k_norm)
     check_close(q_f, q_t, torch.float32, scale=10)
     check_close(k_f, k_t, torch.float32, scale=10)
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "qk_norm"])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)], ids=lambda h: f"h{h[0]}-kv{h[1]}")
+def test_rope_store_writes_what_rope_then_store_kv_write(heads, norm, dtype, device, gen):
+    """Bit for bit: q, and the pool (the rows at the slots written, every other row untouched)."""
+    num_heads, num_kv_heads = heads
+    head_dim, t, slots = 64, 7, 40
+    qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen, device=device).to(dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (x.view(t, -1, head_dim) for x in (q, k, v))
+    table = torch.randn(t, head_dim, generator=gen, device=device)  # rows of cos | sin, as the layers' table
+    rows = torch.arange(t, device=device)
+    loc = torch.randperm(slots, generator=gen, device=device)[:t]
+    weights = tuple(torch.randn(head_dim, generator=gen, device=device).to(dtype) for _ in range(2))
+    kw = {"norm_weights": weights, "eps": 1e-6} if norm else {}
+    pool = torch.randn(2, slots, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
+    pools = [pool.clone(), pool.clone()]
+    q_ref, k_ref = rotary_embedding(rows, q, k, table, **kw)
+    store_kv(pools[0][0], pools[0][1], loc, k_ref, v)
+    q_out = rotary_embedding_store(rows, q, k, v, table, pools[1][0], pools[1][1], loc, **kw)
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(pools[1], pools[0])
