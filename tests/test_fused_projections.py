@@ -12,9 +12,9 @@ import torch
 
 import labkit.kernels
 import labkit.layers.rotary
+import labkit.models.llama
 from labkit import Engine
 from labkit.layers.linear import LinearBase
-from labkit.models.llama import LlamaAttention
 
 CUDA = torch.cuda.is_available()
 PROMPT = [5, 17, 42, 99, 42, 7]
@@ -45,7 +45,7 @@ def decode_with_and_without_gemv(model: str, monkeypatch: pytest.MonkeyPatch, fu
     kw |= {"model_path": model, "load_format": "dummy", "device": device, "dtype": dtype}
     with monkeypatch.context() as m:  # the separate kernels
         m.setattr(LinearBase, "gemv_takes", lambda self, x, width: False)
-        m.setattr(LlamaAttention, "_pool_to_store", lambda self, rope, q, fb: None)
+        m.setattr(labkit.models.llama, "STORE_KV_IN_ROTARY", False)
         ref = Engine(**kw).generate(input_ids=PROMPT, sampling_params=PARAMS)
     if not CUDA:  # float32 rows take the GEMV path only when forced
         monkeypatch.setattr(LinearBase, "gemv_takes", lambda self, x, width: x.numel() == width)
@@ -103,7 +103,7 @@ def test_rotary_with_kv_store_decodes_as_the_separate_kernels(model, monkeypatch
     kw |= {"disable_cuda_graph": True, "disable_overlap_schedule": True}
     prompts = [PROMPT, PROMPT[::-1] + [3]]
     with monkeypatch.context() as m:
-        m.setattr(LlamaAttention, "_pool_to_store", lambda self, rope, q, fb: None)
+        m.setattr(labkit.models.llama, "STORE_KV_IN_ROTARY", False)
         ref = Engine(**kw).generate(input_ids=prompts, sampling_params=PARAMS)
     calls = count_calls(monkeypatch, ["rotary_embedding_store"])
     out = Engine(**kw).generate(input_ids=prompts, sampling_params=PARAMS)

@@ -26,6 +26,12 @@ if TYPE_CHECKING:
     from labkit.model_executor.forward_batch import ForwardBatch
 
 
+# Decode and verify rows the GEMV does not take store their K/V from the rotary kernel
+# (rotary_embedding_store). A constant for an A/B in one process (labkit.bench.offline_ab's and
+# batch1_ab's --variant NAME:labkit.models.llama.STORE_KV_IN_ROTARY=False).
+STORE_KV_IN_ROTARY = True
+
+
 def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -65,7 +71,8 @@ class LlamaAttention(nn.Module):
         """This layer's (K, V) pool buffers where the rotary kernel stores the new K/V itself: on CUDA
         (the fused kernel's table), in a decode or verify forward of a backend that takes K/V stored,
         into a pool of the model's dtype (store_kv quantizes for a float8 one). Else None."""
-        if rope.table is None or not fb.forward_mode.is_decode() or not fb.attn_backend.takes_stored_kv:
+        stores = STORE_KV_IN_ROTARY and rope.table is not None and fb.forward_mode.is_decode()
+        if not (stores and fb.attn_backend.takes_stored_kv):
             return None
         layer = self.attn.spec.layer_id
         k_buffer, v_buffer = fb.token_to_kv_pool.get_key_buffer(layer), fb.token_to_kv_pool.get_value_buffer(layer)
