@@ -199,7 +199,7 @@ def rotary_embedding_store(
     H_kv, D] at slots loc [T], as store_kv writes them: the same bits as the two kernels. The buffers
     must hold q's dtype (store_kv quantizes for a float8 pool)."""
     assert k_buffer.dtype == v_buffer.dtype == q.dtype and k_buffer.shape[1:] == k.shape[1:] == v.shape[1:]
-    assert k_buffer[0].is_contiguous() and v_buffer[0].is_contiguous() and v.stride(1) == v.shape[2]
+    assert k_buffer[0].is_contiguous() and v_buffer[0].is_contiguous() and v.stride()[1:] == (v.shape[2], 1)
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _launch(positions, q, k, q_out, k_buffer, cos_sin_cache, norm_weights, eps, (v, v_buffer, loc))
     return q_out

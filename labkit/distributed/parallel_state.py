@@ -83,8 +83,7 @@ class TPGroup:
         rows = x.numel() // x.shape[-1]
         if not custom.gemv_epilogue.takes(rows, n):
             return None
-        self.stats.calls += 1
-        self.stats.bytes += rows * n * x.element_size()
+        self._tally(rows * n * x.element_size())
         return custom.gemv_epilogue
 
     def enable_custom_all_reduce(self, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -155,10 +154,14 @@ class TPGroup:
         return [b[: int(n)].numpy().tobytes() for b, n in zip(bufs, sizes)]
 
     def _count(self, t: torch.Tensor, start: float) -> None:
-        self.stats.calls += 1
-        self.stats.bytes += t.numel() * t.element_size()
+        self._tally(t.numel() * t.element_size())
         if t.device.type == "cpu":
             self.stats.seconds += time.perf_counter() - start
+
+    def _tally(self, nbytes: int) -> None:
+        """One all-reduce of nbytes, into the stats."""
+        self.stats.calls += 1
+        self.stats.bytes += nbytes
 
 
 def split_evenly(total: int, size: int, what: str) -> int:
