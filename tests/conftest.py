@@ -17,6 +17,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# An xdist worker's CPU engines would each take the machine's cores less one (labkit's automatic
+# thread count): on a 16-core GPU host, 15 workers spinning up to 15 threads each left the CPU-device
+# tests unfinished after 520 s, against 96 s at one thread each. Share the cores out among the workers
+# unless OMP_NUM_THREADS says otherwise (an engine then leaves torch's setting alone).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Groups for `pytest -n 2 --dist loadgroup` (CI's slow lane): a test without an xdist_group of its

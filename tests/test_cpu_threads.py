@@ -3,10 +3,12 @@ busy machine made a notebook 8x slower), and an explicit setting wins."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from labkit.model_executor.model_runner import cpu_thread_count
 
@@ -35,3 +37,12 @@ def test_an_engine_on_cpu_sets_torchs_threads(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip().splitlines()[-1] == "2"
+
+
+def test_xdist_workers_share_the_machines_cores():
+    # tests/conftest.py: without OMP_NUM_THREADS, each of N workers gets at most cores // N threads.
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None:
+        pytest.skip("not running under xdist")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    assert torch.get_num_threads() <= max(1, cores // int(workers))
