@@ -23,8 +23,9 @@ if not torch.cuda.is_available():
 # unless OMP_NUM_THREADS says otherwise (an engine then leaves torch's setting alone).
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    os.environ["OMP_NUM_THREADS"] = str(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    share = str(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ["OMP_NUM_THREADS"] = os.environ["LABKIT_TEST_SHARED_THREADS"] = share
+    torch.set_num_threads(int(share))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from labkit import Engine
 from labkit.model_executor.model_runner import cpu_thread_count
 
 
@@ -39,10 +40,13 @@ def test_an_engine_on_cpu_sets_torchs_threads(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "2"
 
 
-def test_xdist_workers_share_the_machines_cores():
-    # tests/conftest.py: without OMP_NUM_THREADS, each of N workers gets at most cores // N threads.
-    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if workers is None:
-        pytest.skip("not running under xdist")
+def test_xdist_workers_share_the_machines_cores_and_engines_keep_the_share():
+    # tests/conftest.py, where OMP_NUM_THREADS was unset: each of N workers runs cores // N threads, and
+    # an engine built in the worker keeps that count instead of taking the cores less one.
+    share = os.environ.get("LABKIT_TEST_SHARED_THREADS")
+    if share is None:
+        pytest.skip("not under xdist, or OMP_NUM_THREADS was set")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    assert torch.get_num_threads() <= max(1, cores // int(workers))
+    assert int(share) == max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    Engine(model_path="tiny-llama", load_format="dummy", device="cpu", max_total_tokens=256)
+    assert torch.get_num_threads() == int(share)
