@@ -22,8 +22,9 @@ if not torch.cuda.is_available():
 # tests unfinished after 520 s, against 96 s at one thread each. Share the cores out among the workers
 # unless OMP_NUM_THREADS says otherwise (an engine then leaves torch's setting alone).
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    share = str(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    from labkit.model_executor.model_runner import available_cores
+
+    share = str(max(1, available_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
     os.environ["OMP_NUM_THREADS"] = os.environ["LABKIT_TEST_SHARED_THREADS"] = share
     torch.set_num_threads(int(share))
 

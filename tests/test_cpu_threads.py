@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from labkit import Engine
-from labkit.model_executor.model_runner import cpu_thread_count
+from labkit.model_executor.model_runner import available_cores, cpu_thread_count
 
 
 def test_auto_leaves_one_core_free_and_splits_the_rest_among_the_ranks():
@@ -46,7 +46,6 @@ def test_xdist_workers_share_the_machines_cores_and_engines_keep_the_share():
     share = os.environ.get("LABKIT_TEST_SHARED_THREADS")
     if share is None:
         pytest.skip("not under xdist, or OMP_NUM_THREADS was set")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    assert int(share) == max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    assert int(share) == max(1, available_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     Engine(model_path="tiny-llama", load_format="dummy", device="cpu", max_total_tokens=256)
     assert torch.get_num_threads() == int(share)

@@ -53,6 +53,11 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity where the OS reports one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def cpu_thread_count(requested: int, ranks: int, cores: int, default: int, env_set: bool) -> int | None:
     """Torch threads for one CPU rank, or None to leave torch's setting alone.
 
@@ -175,7 +180,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            cores = available_cores()
             env_set = "OMP_NUM_THREADS" in os.environ
             threads = cpu_thread_count(
                 config.cpu_threads, ranks_per_node(config), cores, torch.get_num_threads(), env_set
