@@ -22,9 +22,9 @@ def test_compiled_decode_gives_the_same_tokens():
     compiled = Engine(**kw, enable_torch_compile=True, torch_compile_max_bs=8)
     assert compiled.model_runner.decode_model(8) is compiled.model_runner.compiled_model
     assert compiled.model_runner.decode_model(9) is compiled.model_runner.model
-    # Inductor compiles in this process: its pool of compile subprocesses can wait forever in a
-    # container (pytorch/pytorch#162199; AReaL's CI, areal-project/AReaL#701), and a clean-clone CI run
-    # of labkit stopped with this file among the last five tests unfinished.
+    # Inductor compiles in this process: waits on its pool of compile subprocesses have hung other
+    # projects' CI (areal-project/AReaL#701). A CI run of labkit stopped at its limit with five fast-lane
+    # tests unfinished, this slow-compiling one possibly among them (which ones was not printed).
     with torch._inductor.config.patch(compile_threads=1):
         got = [o["output_ids"] for o in compiled.generate(input_ids=prompts, sampling_params=params)]
     assert got == expected
