@@ -17,6 +17,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Inductor (--enable-torch-compile) compiles in the test's own process, for every test and the processes
+# they start: waits on its pool of compile subprocesses have hung other projects' CI
+# (areal-project/AReaL#701), and a CI run of labkit stopped at its limit with five fast-lane tests
+# unfinished, tests/test_torch_compile.py possibly among them (which ones was not printed). Read when
+# inductor's config is first imported, which `import torch` does not do.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 # An xdist worker's CPU engines would each take the machine's cores less one (labkit's automatic
 # thread count): on a 16-core GPU host, 15 workers spinning up to 15 threads each left the CPU-device
 # tests unfinished after 520 s, against 96 s at one thread each. Share the cores out among the workers

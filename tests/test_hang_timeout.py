@@ -1,5 +1,5 @@
 """The suite's pytest configuration turns a hung test into a failure that names it and prints where every
-thread waited, instead of holding CI until its limit (pyproject.toml: timeout, timeout_method)."""
+thread waited, instead of holding CI until its limit (pyproject.toml: faulthandler_timeout, timeout)."""
 
 from __future__ import annotations
 
