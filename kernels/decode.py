@@ -12,6 +12,12 @@ cost a launch per layer, about 4 us of a batch-1 step's few hundred (docs/benchm
 bound on splits is 1 (large batches fill the GPU without splitting), each program writes the output
 itself.
 
+A step's attention lasts until its last program ends, and a batch's requests differ in length. So
+the grid's first axis is the (KV head, head block), the second the request: a request's programs
+launch together, and where the grid takes more than one wave of programs, decode_order puts the
+longest requests first (the last wave then holds the shortest). On an H200, 128 requests of 100-2048
+tokens went from 3.55 to 4.17 TB/s (bf16 KV) and from 2.37 to 2.70 (float8) (docs/benchmarks.md).
+
 At batch 1 (PREFETCH_MAX_BATCH) a program loads its first block's slots and the K/V rows that earlier
 steps stored before its PDL wait, and only q and the new token's row after it: a split is often a
 single block, so the wait is then followed by arithmetic, not by two dependent trips to memory (slot,
@@ -54,6 +60,14 @@ PREFETCH_MAX_BATCH = 1
 FP8_NUM_STAGES = 5
 FP8_DEEP_MIN_SHARED = 227 * 1024
 MERGE_TILE = 8192  # float32 partials the merge loads at once (32 KB: 64 registers a thread of 4 warps)
+MAX_GRID_Y = 65535  # CUDA's bound on a grid's second axis, the requests'
+# Whether decode_order launches the longest requests' programs first; read at each call, so an A/B
+# (labkit.bench.offline_ab) can turn it off.
+LONGEST_FIRST = True
+# Stage-1 programs a multiprocessor holds at once, by the pool's bytes per value (Hopper, head dim
+# 128): a 16-bit pool's 124 registers a thread leave room for 4 programs of 4 warps, a float8 pool's
+# 254 for 2 (Nsight Compute and ptxas, docs/benchmarks.md).
+RESIDENT_PROGRAMS = {2: 4, 1: 2}
 
 
 def stage1_config(head_dim: int, kv_bytes: int = 2, shared_memory: int = 0) -> dict[str, int]:
@@ -80,6 +94,7 @@ def _decode_stage1_kernel(
     Req_pool_indices,
     Seq_lens,
     Num_kv_splits,
+    Order,
     Mid_o,
     Mid_lse,
     Semaphores,
@@ -111,16 +126,20 @@ def _decode_stage1_kernel(
     MERGE_S: tl.constexpr,  # max_kv_splits, padded to a power of two
     MERGE_HEADS: tl.constexpr,  # query heads of a program: min(BLOCK_H, GROUP)
     ONE_SPLIT: tl.constexpr,  # every request is one split: write the output, no workspace
+    ORDERED: tl.constexpr,  # program row r takes request Order[r] (else request r)
     FP16_DOT: tl.constexpr,  # a float8 pool under a 16-bit q: multiply in float16
     PREFETCH: tl.constexpr,  # load the first block's slots and older K/V before the wait (see below)
     PDL: tl.constexpr,
 ):
     if not PREFETCH:
         pdl_wait(PDL)
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    # Axis 0 is the (KV head, head block): a request's programs launch together, rows in Order.
+    b = tl.program_id(1)
+    if ORDERED:
+        b = tl.load(Order + b)
+    kv_head = tl.program_id(0) // HEAD_BLOCKS
     split = tl.program_id(2)
-    offs_g = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)  # index in the group
+    offs_g = (tl.program_id(0) % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)  # index in the group
     mask_h = offs_g < GROUP
     offs_h = kv_head * GROUP + offs_g
     offs_d = tl.arange(0, BLOCK_D)
@@ -207,7 +226,7 @@ def _decode_stage1_kernel(
         # The last split of this (request, head block) to arrive merges them all (the semaphore
         # counts arrivals; acq_rel makes the others' partials visible) and leaves it at zero.
         tl.debug_barrier()  # every thread's partial is written before the count goes up
-        semaphore = Semaphores + b * tl.num_programs(1) + tl.program_id(1)
+        semaphore = Semaphores + b * tl.num_programs(0) + tl.program_id(0)
         if tl.atomic_add(semaphore, 1) == num_splits - 1:
             tl.store(semaphore, 0)
             _merge_splits(
@@ -216,7 +235,7 @@ def _decode_stage1_kernel(
                 num_splits,
                 O + b * stride_ob,
                 kv_head * GROUP,
-                (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_H,
+                (tl.program_id(0) % HEAD_BLOCKS) * BLOCK_H,
                 stride_moh,
                 stride_mos,
                 stride_mlh,
@@ -348,6 +367,35 @@ def decode_kv_splits(
     return by_len.clamp(1, bound).to(torch.int32), bound
 
 
+def decode_order(
+    seq_lens: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    max_kv_splits: int,
+    device_sms: int,
+    kv_bytes: int = 2,
+) -> torch.Tensor | None:
+    """decode_attention's `order` for this batch: [B] int32, its rows from the longest KV to the
+    shortest (ties in batch order), computed on seq_lens' device (no host sync); None (batch order)
+    where stage 1's grid fits the device at once or LONGEST_FIRST is off.
+
+    A step's attention lasts until its last program ends. When the programs come in several waves,
+    launching the longest first leaves the shortest for the end (longest-processing-time-first). When
+    they all fit at once (RESIDENT_PROGRAMS a multiprocessor), the order only decides which land on the
+    same multiprocessor, and longest-first put a long request's heads together there: on an H200, 64
+    ragged requests of bf16 KV ran at 2.86 TB/s in that order and 3.35 in batch order."""
+    group = num_heads // num_kv_heads
+    programs = seq_lens.shape[0] * num_kv_heads * triton.cdiv(group, head_block(group)) * max_kv_splits
+    if not LONGEST_FIRST or programs <= RESIDENT_PROGRAMS.get(kv_bytes, 4) * device_sms:
+        return None
+    return longest_first(seq_lens)
+
+
+def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
+    """[B] int32: the rows of seq_lens from the longest to the shortest, ties in batch order."""
+    return torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -365,6 +413,7 @@ def decode_attention(
     v_scale: float = 1.0,
     semaphores: torch.Tensor | None = None,
     prefetch: bool | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its KV in the pool; returns out [B, H, D].
 
@@ -384,7 +433,9 @@ def decode_attention(
     k_scale, v_scale: the layer's scales of a float8 pool (ignored for other buffers, as store_kv).
     prefetch (default: batch <= PREFETCH_MAX_BATCH): each program loads its first block's slots and
     the K/V rows before seq_len - 1 ahead of its PDL wait, so only q and the new token's row, which
-    the kernel ahead writes, come after it; the outputs are the same either way."""
+    the kernel ahead writes, come after it; the outputs are the same either way.
+    order: [B] int32, a permutation of the batch (decode_order's): the requests' programs launch in
+    that order instead of the batch's; the outputs are the same either way."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     assert num_heads % num_kv_heads == 0 and k_buffer.shape[2] == head_dim
@@ -393,6 +444,8 @@ def decode_attention(
         out = q.new_empty(batch, num_heads, head_dim)
     if batch == 0:
         return out
+    if batch > MAX_GRID_Y:
+        raise ValueError(f"decode_attention takes at most {MAX_GRID_Y} requests a call, got {batch}")
     if num_kv_splits is None:
         num_kv_splits, max_kv_splits = decode_kv_splits(
             seq_lens, num_heads, num_kv_heads, num_sms(q.device), max_kv_splits
@@ -419,7 +472,7 @@ def decode_attention(
     merge_h = min(block_h, triton.next_power_of_2(group), max(1, MERGE_TILE // (merge_s * block_d)))
     if not is_fp8(k_buffer.dtype):
         k_scale = v_scale = 1.0
-    _decode_stage1_kernel[(batch, num_kv_heads * head_blocks, max_kv_splits)](
+    _decode_stage1_kernel[(num_kv_heads * head_blocks, batch, max_kv_splits)](
         q,
         k_buffer,
         v_buffer,
@@ -427,6 +480,7 @@ def decode_attention(
         req_pool_indices,
         seq_lens,
         num_kv_splits,
+        num_kv_splits if order is None else order,  # never read without an order
         mid_o,
         mid_lse,
         semaphores if semaphores is not None else num_kv_splits,  # never touched with one split
@@ -458,6 +512,7 @@ def decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP16_DOT=is_fp8(k_buffer.dtype) and q.dtype != torch.float32,
         ONE_SPLIT=one_split,
+        ORDERED=order is not None,
         PREFETCH=batch <= PREFETCH_MAX_BATCH if prefetch is None else prefetch,
         **stage1_config(head_dim, k_buffer.element_size(), shared_memory_per_block(q.device)),
         **pdl_options(q.device, batch),

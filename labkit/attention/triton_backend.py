@@ -15,7 +15,7 @@ rewrites the split counts in place."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,7 +30,9 @@ from labkit.kernels.decode import (
     DEFAULT_MAX_KV_SPLITS,
     decode_attention,
     decode_kv_splits,
+    decode_order,
     decode_semaphore_count,
+    longest_first,
     num_sms,
 )
 from labkit.kernels.extend import ExtendPlan, extend_attention, extend_blocks
@@ -55,6 +57,7 @@ class _DecodeMetadata:
     mid_o: torch.Tensor  # [bs, H, max_kv_splits, D] float32 workspace
     mid_lse: torch.Tensor  # [bs, H, max_kv_splits] float32 workspace
     semaphores: torch.Tensor | None  # int32 zeros left zero by every layer; None: one split, no merge
+    order: torch.Tensor | None  # [bs] int32, longest request first (decode_order); None: batch order
 
 
 @dataclass
@@ -65,6 +68,8 @@ class _GraphBuffers:
     mid_o: torch.Tensor  # [max_bs, H, max_kv_splits, D] float32 workspace
     mid_lse: torch.Tensor  # [max_bs, H, max_kv_splits] float32 workspace
     semaphores: torch.Tensor  # for max_bs requests, int32 zeros (left zero by every layer)
+    order: torch.Tensor  # [max_bs] int32, rewritten in place before each replay of a graph in `ordered`
+    ordered: set[int] = field(default_factory=set)  # the batch sizes whose graphs launch in `order`
 
 
 @dataclass
@@ -116,7 +121,13 @@ class TritonAttnBackend(AttentionBackend):
         splits, bound = decode_kv_splits(fb.seq_lens, c.num_heads, c.num_kv_heads, self.num_sms, self.max_kv_splits)
         mid_o = torch.empty(bs, c.num_heads, bound, c.head_dim, dtype=torch.float32, device=self.device)
         mid_lse = torch.empty(bs, c.num_heads, bound, dtype=torch.float32, device=self.device)
-        return _DecodeMetadata(splits, bound, mid_o, mid_lse, self._semaphores(bs) if bound > 1 else None)
+        semaphores = self._semaphores(bs) if bound > 1 else None
+        return _DecodeMetadata(splits, bound, mid_o, mid_lse, semaphores, self._order(fb, bound))
+
+    def _order(self, fb: ForwardBatch, bound: int) -> torch.Tensor | None:
+        """The launch order of the batch's attention programs (decode_order), None for batch order."""
+        c, kv_bytes = self.config, fb.token_to_kv_pool.dtype.itemsize
+        return decode_order(fb.seq_lens, c.num_heads, c.num_kv_heads, bound, self.num_sms, kv_bytes)
 
     def _semaphores(self, bs: int) -> torch.Tensor:
         count = decode_semaphore_count(bs, self.config.num_heads, self.config.num_kv_heads)
@@ -140,6 +151,7 @@ class TritonAttnBackend(AttentionBackend):
             torch.empty(max_bs, c.num_heads, self.max_kv_splits, c.head_dim, dtype=torch.float32, device=self.device),
             torch.empty(max_bs, c.num_heads, self.max_kv_splits, dtype=torch.float32, device=self.device),
             self._semaphores(max_bs),
+            torch.arange(max_bs, dtype=torch.int32, device=self.device),
         )
 
     def _graph_splits(self, fb: ForwardBatch) -> tuple[_GraphBuffers, torch.Tensor, int]:
@@ -158,14 +170,26 @@ class TritonAttnBackend(AttentionBackend):
         bs = forward_batch.batch_size
         graph, splits, bound = self._graph_splits(forward_batch)
         graph.num_kv_splits[:bs].copy_(splits)  # valid counts for the warm-up forwards too
+        order = self._order(forward_batch, bound)  # fixed at capture: does this graph take an order
+        if order is not None:
+            graph.order[:bs].copy_(order)
+            graph.ordered.add(bs)
         self.extend = None
         self.decode = _DecodeMetadata(
-            graph.num_kv_splits[:bs], bound, graph.mid_o[:bs], graph.mid_lse[:bs], graph.semaphores
+            graph.num_kv_splits[:bs],
+            bound,
+            graph.mid_o[:bs],
+            graph.mid_lse[:bs],
+            graph.semaphores,
+            None if order is None else graph.order[:bs],
         )
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         graph, splits, _ = self._graph_splits(forward_batch)
-        graph.num_kv_splits[: forward_batch.batch_size].copy_(splits)
+        bs = forward_batch.batch_size
+        graph.num_kv_splits[:bs].copy_(splits)
+        if bs in graph.ordered:  # as captured, whatever decode_order would say now
+            graph.order[:bs].copy_(longest_first(forward_batch.seq_lens))
 
     # ---- prefill CUDA graphs ----------------------------------------------------------------
     def init_prefill_graph_state(self, max_tokens: int, max_rows: int) -> None:
@@ -237,6 +261,7 @@ class TritonAttnBackend(AttentionBackend):
             k_scale=pool.k_scale[lid],
             v_scale=pool.v_scale[lid],
             semaphores=md.semaphores,
+            order=md.order,
         )
         return out
 

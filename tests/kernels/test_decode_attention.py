@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from labkit.kernels import decode as decode_module
 from labkit.kernels import decode_attention, decode_kv_splits
-from labkit.kernels.decode import FP8_DEEP_MIN_SHARED, FP8_NUM_STAGES, decode_semaphore_count, stage1_config
+from labkit.kernels.decode import (
+    FP8_DEEP_MIN_SHARED,
+    FP8_NUM_STAGES,
+    decode_order,
+    decode_semaphore_count,
+    longest_first,
+    stage1_config,
+)
 from labkit.kernels.reference import reference_decode_attention
 
 CUDA = torch.cuda.is_available()
@@ -104,6 +112,37 @@ def test_prefetching_the_first_block_changes_no_output(page_size, dtype, device,
         for p in (True, False)
     )
     assert torch.equal(on, off)
+
+
+@pytest.mark.parametrize("max_kv_splits", [1, 4])
+def test_launching_the_longest_requests_first_changes_no_output(max_kv_splits, dtype, device, gen, paged_kv):
+    """decode_attention in longest_first's order gives every request the bits of batch order, with
+    one split (each program writes its output) and with merges (semaphores indexed by request)."""
+    seq_lens = [3, 130, 64, 300, 1, 130]
+    k_buf, v_buf, req_to_token, rows = paged_kv(seq_lens, 2, 64, 16, dtype, gen)
+    q = torch.randn(len(seq_lens), 8, 64, generator=gen, device=device).to(dtype)
+    seq = torch.tensor(seq_lens, device=device)
+    splits = torch.tensor([1, 4, 2, 4, 1, 3], dtype=torch.int32, device=device).clamp(max=max_kv_splits)
+    order = longest_first(seq)
+    assert order.tolist() == [3, 1, 5, 2, 0, 4] and order.dtype == torch.int32  # ties in batch order
+    outs = [
+        decode_attention(q, k_buf, v_buf, req_to_token, rows, seq, 0.125, None, splits, max_kv_splits, order=o)
+        for o in (None, order)
+    ]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_decode_order_only_where_the_grid_takes_more_than_one_wave(monkeypatch):
+    """8 KV heads x 33 requests = 264 programs: one wave of a float8 pool's 2 a multiprocessor on 132;
+    a 16-bit pool holds 4, so 67 requests (536 programs) are its first to need two."""
+    seq = torch.arange(1, 68)
+    assert decode_order(seq[:33], 16, 8, 1, 132, kv_bytes=1) is None
+    assert decode_order(seq[:34], 16, 8, 1, 132, kv_bytes=1).tolist() == list(range(33, -1, -1))
+    assert decode_order(seq[:66], 16, 8, 1, 132, kv_bytes=2) is None
+    assert decode_order(seq, 16, 8, 1, 132, kv_bytes=2) is not None
+    assert decode_order(seq[:17], 16, 8, 2, 132, kv_bytes=2) is None  # 17 x 8 x 2 splits = 272 programs
+    monkeypatch.setattr(decode_module, "LONGEST_FIRST", False)
+    assert decode_order(seq, 16, 8, 1, 132, kv_bytes=2) is None
 
 
 def test_split_heuristic_fills_the_device_but_respects_length():
