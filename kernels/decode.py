@@ -145,13 +145,18 @@ def _decode_stage1_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 
-    num_splits = tl.load(Num_kv_splits + b)
-    if split >= num_splits:  # the grid has max_kv_splits; this request uses fewer
-        return
     seq_len = tl.load(Seq_lens + b)
-    split_len = tl.cdiv(seq_len, num_splits)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    if ONE_SPLIT:  # no split count to read, nothing to skip: the request's whole KV
+        num_splits = 1
+        start = 0
+        end = seq_len
+    else:
+        num_splits = tl.load(Num_kv_splits + b)
+        if split >= num_splits:  # the grid has max_kv_splits; this request uses fewer
+            return
+        split_len = tl.cdiv(seq_len, num_splits)
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)
     req_row = Req_to_token + tl.load(Req_pool_indices + b).to(tl.int64) * stride_r2t
     if PREFETCH:
         # The kernel ahead writes q and this step's token's K/V (at seq_len - 1, the one new token of
