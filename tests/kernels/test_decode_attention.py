@@ -145,6 +145,14 @@ def test_decode_order_only_where_the_grid_takes_more_than_one_wave(monkeypatch):
     assert decode_order(seq, 16, 8, 1, 132, kv_bytes=2) is None
 
 
+def test_decode_refuses_more_requests_than_a_grid_axis_holds():
+    q = torch.zeros(65536, 1, 16)
+    k_buf = torch.zeros(2, 1, 16)
+    ones = torch.ones(65536, dtype=torch.int64)
+    with pytest.raises(ValueError, match="at most 65535 requests"):
+        decode_attention(q, k_buf, k_buf, torch.ones(1, 1, dtype=torch.int32), ones * 0, ones, 0.25)
+
+
 def test_split_heuristic_fills_the_device_but_respects_length():
     seq = torch.tensor([1, 64, 65, 10_000])
     splits, bound = decode_kv_splits(
