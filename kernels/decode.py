@@ -64,10 +64,11 @@ MAX_GRID_Y = 65535  # CUDA's bound on a grid's second axis, the requests'
 # Whether decode_order launches the longest requests' programs first; read at each call, so an A/B
 # (labkit.bench.offline_ab) can turn it off.
 LONGEST_FIRST = True
-# Stage-1 programs a multiprocessor holds at once, by the pool's bytes per value (Hopper, head dim
-# 128): a 16-bit pool's 124 registers a thread leave room for 4 programs of 4 warps, a float8 pool's
-# 254 for 2 (Nsight Compute and ptxas, docs/benchmarks.md).
-RESIDENT_PROGRAMS = {2: 4, 1: 2}
+# Stage-1 programs a multiprocessor holds at once (Hopper, head dim 128): a 16-bit pool's 124 registers
+# a thread leave room for 4 programs of 4 warps, a float8 pool's 254 for 2 (Nsight Compute and ptxas,
+# docs/benchmarks.md).
+RESIDENT_PROGRAMS = 4
+FP8_RESIDENT_PROGRAMS = 2
 
 
 def stage1_config(head_dim: int, kv_bytes: int = 2, shared_memory: int = 0) -> dict[str, int]:
@@ -386,12 +387,14 @@ def decode_order(
 
     A step's attention lasts until its last program ends. When the programs come in several waves,
     launching the longest first leaves the shortest for the end (longest-processing-time-first). When
-    they all fit at once (RESIDENT_PROGRAMS a multiprocessor), the order only decides which land on the
-    same multiprocessor, and longest-first put a long request's heads together there: on an H200, 64
-    ragged requests of bf16 KV ran at 2.86 TB/s in that order and 3.35 in batch order."""
-    group = num_heads // num_kv_heads
-    programs = seq_lens.shape[0] * num_kv_heads * triton.cdiv(group, head_block(group)) * max_kv_splits
-    if not LONGEST_FIRST or programs <= RESIDENT_PROGRAMS.get(kv_bytes, 4) * device_sms:
+    they all fit at once (RESIDENT_PROGRAMS a multiprocessor, FP8_RESIDENT_PROGRAMS for kv_bytes 1),
+    the order only decides which land on the same multiprocessor, and longest-first put a long
+    request's heads together there: on an H200, 64 ragged requests of bf16 KV ran at 2.86 TB/s in that
+    order and 3.35 in batch order."""
+    # decode_semaphore_count: one per (request, KV head, head block), a split's programs
+    programs = decode_semaphore_count(seq_lens.shape[0], num_heads, num_kv_heads) * max_kv_splits
+    resident = FP8_RESIDENT_PROGRAMS if kv_bytes == 1 else RESIDENT_PROGRAMS
+    if not LONGEST_FIRST or programs <= resident * device_sms:
         return None
     return longest_first(seq_lens)
 
