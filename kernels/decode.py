@@ -28,7 +28,9 @@ scale is folded into the score scale (q.(s k) = s (q.k)), the V scale multiplies
 (every value of a split has the same scale). Under a 16-bit q, K, V and q are cast to float16 and the
 products run in float16: float8 converts to float16 in one instruction per pair of values, to
 bfloat16 through a longer sequence; on an H200 (256 x 1024 tokens, 8 KV heads) the bfloat16 products
-took 0.27-0.28 ms a call, the float16 ones 0.23 ms (bf16 KV: 0.25 ms)."""
+took 0.27-0.28 ms a call, the float16 ones 0.23 ms (bf16 KV: 0.25 ms). Reading half the bytes, a
+float8 program has twice the tokens to multiply per byte, and 4 warps of them wait on each other's
+barriers; so a float8 pool's programs are one warp each (FP8_ONE_WARP), with more splits."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ from labkit.mem_cache.memory_pool import is_fp8
 
 DEFAULT_MAX_KV_SPLITS = 16
 MIN_TOKENS_PER_SPLIT = 64  # never cut a request into splits shorter than this (heuristic below)
-PROGRAMS_PER_SM = 2  # stage-1 programs the split heuristic aims for, per multiprocessor
+PROGRAMS_PER_SM = 2  # 4-warp stage-1 programs the split heuristic aims for, per multiprocessor
 MIN_BLOCK_H = 16  # rows of a tl.dot operand must be >= 16
 MAX_BLOCK_H = 64
 # Prefetching holds a block of K and V in registers across the PDL wait. At small batches a GPU has a
@@ -53,13 +55,14 @@ MAX_BLOCK_H = 64
 # keep the registers for occupancy (bf16 stage 1 runs there at the HBM copy rate). Timed at batch 1
 # only (labkit.bench.batch1_ab); batches of 2-8 may gain too, untimed.
 PREFETCH_MAX_BATCH = 1
-# A float8 pool's stage 1 waits on memory more than bf16's (its 247-255 registers leave two programs a
-# multiprocessor): a sweep of that kernel on an H200 (256 x 1024 tokens) took 0.189 ms with 5 stages
-# against 0.217 with 3. ptxas (sm_90a): 75 KB of shared memory, 254 registers, no spills; up to 198 KB
-# for a float32 q with 64 query heads a KV head. So 5 only where a block may have Hopper's 227 KB.
+# The 4-warp float8 program (FP8_ONE_WARP None) waits on memory more than bf16's (its 247-255
+# registers leave two programs a multiprocessor): a sweep of that kernel on an H200 (256 x 1024
+# tokens) took 0.189 ms with 5 stages against 0.217 with 3. ptxas (sm_90a): 75 KB of shared memory,
+# 254 registers, no spills; up to 198 KB for a float32 q with 64 query heads a KV head. So 5 only
+# where a block may have Hopper's 227 KB.
 FP8_NUM_STAGES = 5
 FP8_DEEP_MIN_SHARED = 227 * 1024
-MERGE_TILE = 8192  # float32 partials the merge loads at once (32 KB: 64 registers a thread of 4 warps)
+MERGE_FLOATS_PER_THREAD = 64  # float32 partials the merge loads at once, per thread (registers)
 MAX_GRID_Y = 65535  # CUDA's bound on a grid's second axis, the requests'
 # Whether decode_order launches the longest requests' programs first; read at each call, so an A/B
 # (labkit.bench.offline_ab) can turn it off.
@@ -69,15 +72,28 @@ LONGEST_FIRST = True
 # docs/benchmarks.md).
 RESIDENT_PROGRAMS = 4
 FP8_RESIDENT_PROGRAMS = 2
+# A float8 pool's stage 1 runs one warp a program, on blocks of 32 tokens. The 4-warp program is
+# latency-bound, not bandwidth-bound: two fit a multiprocessor, and each block's products wait on
+# the four warps' barriers (Nsight Compute on an H200: 0.5 instructions issued a cycle per scheduler,
+# most stalls "wait" and "short scoreboard", DRAM 49% busy). One warp needs no barrier, and many fit:
+# ptxas gave a scratch copy of the loop 168 registers and 21 KB of shared memory, about 10 a
+# multiprocessor (FP8_ONE_WARP_RESIDENT, for decode_order). That copy read 256 x 1024 tokens at 3.41
+# TB/s against 2.97. The programs being small, the splits aim at FP8_PROGRAMS_PER_SM of them. Offline
+# on an H200: 32,399-33,537 tok/s against 30,846 (docs/benchmarks.md). None: the 4-warp program.
+FP8_ONE_WARP: dict[str, int] | None = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 5}
+FP8_ONE_WARP_RESIDENT = 10
+FP8_PROGRAMS_PER_SM = 8
 
 
 def stage1_config(head_dim: int, kv_bytes: int = 2, shared_memory: int = 0) -> dict[str, int]:
     """BLOCK_N (KV tokens per inner step), num_warps, num_stages of stage 1. Picked on an H200 (bf16,
     32 query / 8 KV heads, D=128, page 16): 3 stages beat 2 by 1.2-2x (the indirect K/V loads need
     the deeper pipeline); BLOCK_N 32/64/128 and 4 or 8 warps were within noise of each other. A
-    float8 pool (kv_bytes 1) takes blocks of 128: 0.213 ms against 0.232 with 64 (16 query / 8 KV
-    heads, 256 x 1024 tokens, H200), and FP8_NUM_STAGES where a block may have `shared_memory`
-    bytes of at least FP8_DEEP_MIN_SHARED."""
+    float8 pool (kv_bytes 1) takes FP8_ONE_WARP; without it, blocks of 128: 0.213 ms against 0.232
+    with 64 (16 query / 8 KV heads, 256 x 1024 tokens, H200), and FP8_NUM_STAGES where a block may
+    have `shared_memory` bytes of at least FP8_DEEP_MIN_SHARED."""
+    if head_dim <= 128 and kv_bytes == 1 and FP8_ONE_WARP is not None:
+        return dict(FP8_ONE_WARP)
     if head_dim <= 128 and kv_bytes == 1:
         stages = FP8_NUM_STAGES if shared_memory >= FP8_DEEP_MIN_SHARED else 3
         return {"BLOCK_N": 128, "num_warps": 4, "num_stages": stages}
@@ -355,22 +371,29 @@ def decode_kv_splits(
     max_kv_splits: int = DEFAULT_MAX_KV_SPLITS,
     min_tokens_per_split: int | None = None,
     programs_per_sm: int | None = None,
+    kv_bytes: int = 2,
 ) -> tuple[torch.Tensor, int]:
     """(per-request split counts [B] int32, their upper bound): the counts are computed on
     seq_lens' device (no host sync), the bound on the host from the batch size alone.
 
-    The bound gives stage 1 about programs_per_sm (default PROGRAMS_PER_SM) programs per
-    multiprocessor (batch x KV heads x head blocks programs per split), at most max_kv_splits and at
-    least 1; a request gets the bound or one split per min_tokens_per_split (default
-    MIN_TOKENS_PER_SPLIT, read at the call, as PROGRAMS_PER_SM) of its tokens if fewer.
+    The bound gives stage 1 about programs_per_sm (default PROGRAMS_PER_SM; FP8_PROGRAMS_PER_SM for
+    a float8 pool's one-warp programs, kv_bytes 1) programs per multiprocessor (batch x KV heads x
+    head blocks programs per split), at most max_kv_splits and at least 1; a request gets the bound
+    or one split per min_tokens_per_split (default MIN_TOKENS_PER_SPLIT, read at the call, as
+    PROGRAMS_PER_SM) of its tokens if fewer.
     Pass the bound as decode_attention's max_kv_splits: it sizes the grid and the workspace."""
     group = num_heads // num_kv_heads
     per_split = seq_lens.shape[0] * num_kv_heads * triton.cdiv(group, head_block(group))
-    wanted = (programs_per_sm or PROGRAMS_PER_SM) * device_sms
+    wanted = (programs_per_sm or default_programs_per_sm(kv_bytes)) * device_sms
     bound = max(1, min(max_kv_splits, math.ceil(wanted / max(per_split, 1))))
     tokens = min_tokens_per_split or MIN_TOKENS_PER_SPLIT
     by_len = torch.div(seq_lens + tokens - 1, tokens, rounding_mode="floor")
     return by_len.clamp(1, bound).to(torch.int32), bound
+
+
+def default_programs_per_sm(kv_bytes: int) -> int:
+    """The stage-1 programs per multiprocessor decode_kv_splits aims for, for stage1_config's choice."""
+    return FP8_PROGRAMS_PER_SM if kv_bytes == 1 and FP8_ONE_WARP is not None else PROGRAMS_PER_SM
 
 
 def decode_order(
@@ -393,10 +416,17 @@ def decode_order(
     order and 3.35 in batch order."""
     # decode_semaphore_count: one per (request, KV head, head block), a split's programs
     programs = decode_semaphore_count(seq_lens.shape[0], num_heads, num_kv_heads) * max_kv_splits
-    resident = FP8_RESIDENT_PROGRAMS if kv_bytes == 1 else RESIDENT_PROGRAMS
+    resident = resident_programs(kv_bytes)
     if not LONGEST_FIRST or programs <= resident * device_sms:
         return None
     return longest_first(seq_lens)
+
+
+def resident_programs(kv_bytes: int) -> int:
+    """Stage-1 programs a multiprocessor holds at once, for stage1_config's choice (Hopper, D=128)."""
+    if kv_bytes != 1:
+        return RESIDENT_PROGRAMS
+    return FP8_ONE_WARP_RESIDENT if FP8_ONE_WARP is not None else FP8_RESIDENT_PROGRAMS
 
 
 def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
@@ -456,7 +486,7 @@ def decode_attention(
         raise ValueError(f"decode_attention takes at most {MAX_GRID_Y} requests a call, got {batch}")
     if num_kv_splits is None:
         num_kv_splits, max_kv_splits = decode_kv_splits(
-            seq_lens, num_heads, num_kv_heads, num_sms(q.device), max_kv_splits
+            seq_lens, num_heads, num_kv_heads, num_sms(q.device), max_kv_splits, kv_bytes=k_buffer.element_size()
         )
     if mid_o is None:
         mid_o = torch.empty(batch, num_heads, max_kv_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -477,7 +507,9 @@ def decode_attention(
     head_blocks = triton.cdiv(group, block_h)
     block_d = triton.next_power_of_2(head_dim)
     merge_s = triton.next_power_of_2(max_kv_splits)
-    merge_h = min(block_h, triton.next_power_of_2(group), max(1, MERGE_TILE // (merge_s * block_d)))
+    config = stage1_config(head_dim, k_buffer.element_size(), shared_memory_per_block(q.device))
+    merge_tile = MERGE_FLOATS_PER_THREAD * 32 * config["num_warps"]
+    merge_h = min(block_h, triton.next_power_of_2(group), max(1, merge_tile // (merge_s * block_d)))
     if not is_fp8(k_buffer.dtype):
         k_scale = v_scale = 1.0
     _decode_stage1_kernel[(num_kv_heads * head_blocks, batch, max_kv_splits)](
@@ -522,7 +554,7 @@ def decode_attention(
         ONE_SPLIT=one_split,
         ORDERED=order is not None,
         PREFETCH=batch <= PREFETCH_MAX_BATCH if prefetch is None else prefetch,
-        **stage1_config(head_dim, k_buffer.element_size(), shared_memory_per_block(q.device)),
+        **config,
         **pdl_options(q.device, batch),
     )
     return out

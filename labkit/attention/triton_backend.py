@@ -118,11 +118,18 @@ class TritonAttnBackend(AttentionBackend):
 
     def _decode_metadata(self, fb: ForwardBatch) -> _DecodeMetadata:
         c, bs = self.config, fb.batch_size
-        splits, bound = decode_kv_splits(fb.seq_lens, c.num_heads, c.num_kv_heads, self.num_sms, self.max_kv_splits)
+        splits, bound = self._splits(fb)
         mid_o = torch.empty(bs, c.num_heads, bound, c.head_dim, dtype=torch.float32, device=self.device)
         mid_lse = torch.empty(bs, c.num_heads, bound, dtype=torch.float32, device=self.device)
         semaphores = self._semaphores(bs) if bound > 1 else None
         return _DecodeMetadata(splits, bound, mid_o, mid_lse, semaphores, self._order(fb, bound))
+
+    def _splits(self, fb: ForwardBatch) -> tuple[torch.Tensor, int]:
+        """Per-request KV split counts and their bound (decode_kv_splits)."""
+        c, kv_bytes = self.config, fb.token_to_kv_pool.dtype.itemsize
+        return decode_kv_splits(
+            fb.seq_lens, c.num_heads, c.num_kv_heads, self.num_sms, self.max_kv_splits, kv_bytes=kv_bytes
+        )
 
     def _order(self, fb: ForwardBatch, bound: int) -> torch.Tensor | None:
         """The launch order of the batch's attention programs (decode_order), None for batch order."""
@@ -155,7 +162,6 @@ class TritonAttnBackend(AttentionBackend):
         )
 
     def _graph_splits(self, fb: ForwardBatch) -> tuple[_GraphBuffers, torch.Tensor, int]:
-        c = self.config
         max_bs = 0 if self.graph is None else self.graph.num_kv_splits.shape[0]
         if self.graph is None or not 0 < fb.batch_size <= max_bs:
             raise ValueError(
@@ -163,7 +169,7 @@ class TritonAttnBackend(AttentionBackend):
                 "was init_cuda_graph_state called?"
             )
         # The bound comes from the (padded) batch size alone, so it is the same at every replay.
-        splits, bound = decode_kv_splits(fb.seq_lens, c.num_heads, c.num_kv_heads, self.num_sms, self.max_kv_splits)
+        splits, bound = self._splits(fb)
         return self.graph, splits, bound
 
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:

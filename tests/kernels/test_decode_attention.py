@@ -10,6 +10,8 @@ from labkit.kernels import decode_attention, decode_kv_splits
 from labkit.kernels.decode import (
     FP8_DEEP_MIN_SHARED,
     FP8_NUM_STAGES,
+    FP8_ONE_WARP,
+    FP8_PROGRAMS_PER_SM,
     decode_order,
     decode_semaphore_count,
     longest_first,
@@ -133,14 +135,18 @@ def test_launching_the_longest_requests_first_changes_no_output(max_kv_splits, d
 
 
 def test_decode_order_only_where_the_grid_takes_more_than_one_wave(monkeypatch):
-    """8 KV heads x 33 requests = 264 programs: one wave of a float8 pool's 2 a multiprocessor on 132;
-    a 16-bit pool holds 4, so 67 requests (536 programs) are its first to need two."""
-    seq = torch.arange(1, 68)
-    assert decode_order(seq[:33], 16, 8, 1, 132, kv_bytes=1) is None
-    assert decode_order(seq[:34], 16, 8, 1, 132, kv_bytes=1).tolist() == list(range(33, -1, -1))
+    """8 KV heads x 165 requests = 1320 programs: one wave of a float8 pool's 10 one-warp programs a
+    multiprocessor on 132; a 16-bit pool holds 4, so 67 requests (536 programs) are its first to need
+    two, and the 4-warp float8 program (FP8_ONE_WARP None) holds 2, so 34 requests."""
+    seq = torch.arange(1, 167)
+    assert decode_order(seq[:165], 16, 8, 1, 132, kv_bytes=1) is None
+    assert decode_order(seq, 16, 8, 1, 132, kv_bytes=1).tolist() == list(range(165, -1, -1))
     assert decode_order(seq[:66], 16, 8, 1, 132, kv_bytes=2) is None
-    assert decode_order(seq, 16, 8, 1, 132, kv_bytes=2) is not None
+    assert decode_order(seq[:67], 16, 8, 1, 132, kv_bytes=2) is not None
     assert decode_order(seq[:17], 16, 8, 2, 132, kv_bytes=2) is None  # 17 x 8 x 2 splits = 272 programs
+    monkeypatch.setattr(decode_module, "FP8_ONE_WARP", None)
+    assert decode_order(seq[:33], 16, 8, 1, 132, kv_bytes=1) is None
+    assert decode_order(seq[:34], 16, 8, 1, 132, kv_bytes=1) is not None
     monkeypatch.setattr(decode_module, "LONGEST_FIRST", False)
     assert decode_order(seq, 16, 8, 1, 132, kv_bytes=2) is None
 
@@ -167,7 +173,16 @@ def test_split_heuristic_fills_the_device_but_respects_length():
     assert bound == 16 and splits.tolist() == [16]  # capped
 
 
-def test_a_float8_pool_takes_deep_pipelines_only_where_shared_memory_allows():
+def test_a_float8_pool_takes_one_warp_programs_and_more_splits(monkeypatch):
+    assert stage1_config(128, 1, FP8_DEEP_MIN_SHARED) == FP8_ONE_WARP
+    assert stage1_config(128, 2, FP8_DEEP_MIN_SHARED)["num_warps"] == 4  # 16-bit pools as timed
+    # 64 requests x 8 KV heads: a 16-bit pool's 2 programs a multiprocessor want one split, the
+    # one-warp float8 programs' FP8_PROGRAMS_PER_SM more
+    seq = torch.full((64,), 4096)
+    assert decode_kv_splits(seq, 16, 8, 132)[1] == 1
+    assert decode_kv_splits(seq, 16, 8, 132, kv_bytes=1)[1] == -(-FP8_PROGRAMS_PER_SM * 132 // 512)
+    monkeypatch.setattr(decode_module, "FP8_ONE_WARP", None)  # the 4-warp float8 program
+    assert decode_kv_splits(seq, 16, 8, 132, kv_bytes=1)[1] == 1
     assert stage1_config(128, 1, FP8_DEEP_MIN_SHARED)["num_stages"] == FP8_NUM_STAGES  # Hopper
     assert stage1_config(128, 1, 164 * 1024)["num_stages"] == 3  # an A100's 164 KB
-    assert stage1_config(128, 2, FP8_DEEP_MIN_SHARED)["num_stages"] == 3  # 16-bit pools as timed
+    assert stage1_config(128, 2, FP8_DEEP_MIN_SHARED)["num_stages"] == 3
