@@ -92,7 +92,7 @@ def stage1_config(head_dim: int, kv_bytes: int = 2, shared_memory: int = 0) -> d
     float8 pool (kv_bytes 1) takes FP8_ONE_WARP; without it, blocks of 128: 0.213 ms against 0.232
     with 64 (16 query / 8 KV heads, 256 x 1024 tokens, H200), and FP8_NUM_STAGES where a block may
     have `shared_memory` bytes of at least FP8_DEEP_MIN_SHARED."""
-    if head_dim <= 128 and kv_bytes == 1 and FP8_ONE_WARP is not None:
+    if FP8_ONE_WARP is not None and one_warp(kv_bytes, head_dim):
         return dict(FP8_ONE_WARP)
     if head_dim <= 128 and kv_bytes == 1:
         stages = FP8_NUM_STAGES if shared_memory >= FP8_DEEP_MIN_SHARED else 3
@@ -100,6 +100,11 @@ def stage1_config(head_dim: int, kv_bytes: int = 2, shared_memory: int = 0) -> d
     if head_dim <= 128:
         return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
+
+
+def one_warp(kv_bytes: int, head_dim: int) -> bool:
+    """Whether stage 1 runs FP8_ONE_WARP's one-warp programs: a float8 pool, head dim up to 128."""
+    return kv_bytes == 1 and head_dim <= 128 and FP8_ONE_WARP is not None
 
 
 @triton.jit
@@ -372,28 +377,25 @@ def decode_kv_splits(
     min_tokens_per_split: int | None = None,
     programs_per_sm: int | None = None,
     kv_bytes: int = 2,
+    head_dim: int = 128,
 ) -> tuple[torch.Tensor, int]:
     """(per-request split counts [B] int32, their upper bound): the counts are computed on
     seq_lens' device (no host sync), the bound on the host from the batch size alone.
 
     The bound gives stage 1 about programs_per_sm (default PROGRAMS_PER_SM; FP8_PROGRAMS_PER_SM for
-    a float8 pool's one-warp programs, kv_bytes 1) programs per multiprocessor (batch x KV heads x
+    one-warp programs, see one_warp) programs per multiprocessor (batch x KV heads x
     head blocks programs per split), at most max_kv_splits and at least 1; a request gets the bound
     or one split per min_tokens_per_split (default MIN_TOKENS_PER_SPLIT, read at the call, as
     PROGRAMS_PER_SM) of its tokens if fewer.
     Pass the bound as decode_attention's max_kv_splits: it sizes the grid and the workspace."""
     group = num_heads // num_kv_heads
     per_split = seq_lens.shape[0] * num_kv_heads * triton.cdiv(group, head_block(group))
-    wanted = (programs_per_sm or default_programs_per_sm(kv_bytes)) * device_sms
+    default = FP8_PROGRAMS_PER_SM if one_warp(kv_bytes, head_dim) else PROGRAMS_PER_SM
+    wanted = (programs_per_sm or default) * device_sms
     bound = max(1, min(max_kv_splits, math.ceil(wanted / max(per_split, 1))))
     tokens = min_tokens_per_split or MIN_TOKENS_PER_SPLIT
     by_len = torch.div(seq_lens + tokens - 1, tokens, rounding_mode="floor")
     return by_len.clamp(1, bound).to(torch.int32), bound
-
-
-def default_programs_per_sm(kv_bytes: int) -> int:
-    """The stage-1 programs per multiprocessor decode_kv_splits aims for, for stage1_config's choice."""
-    return FP8_PROGRAMS_PER_SM if kv_bytes == 1 and FP8_ONE_WARP is not None else PROGRAMS_PER_SM
 
 
 def decode_order(
@@ -403,6 +405,7 @@ def decode_order(
     max_kv_splits: int,
     device_sms: int,
     kv_bytes: int = 2,
+    head_dim: int = 128,
 ) -> torch.Tensor | None:
     """decode_attention's `order` for this batch: [B] int32, its rows from the longest KV to the
     shortest (ties in batch order), computed on seq_lens' device (no host sync); None (batch order)
@@ -410,23 +413,22 @@ def decode_order(
 
     A step's attention lasts until its last program ends. When the programs come in several waves,
     launching the longest first leaves the shortest for the end (longest-processing-time-first). When
-    they all fit at once (RESIDENT_PROGRAMS a multiprocessor, FP8_RESIDENT_PROGRAMS for kv_bytes 1),
-    the order only decides which land on the same multiprocessor, and longest-first put a long
-    request's heads together there: on an H200, 64 ragged requests of bf16 KV ran at 2.86 TB/s in that
-    order and 3.35 in batch order."""
+    they all fit at once (resident_programs a multiprocessor), the order only decides which land on the
+    same multiprocessor, and longest-first put a long request's heads together there: on an H200, 64
+    ragged requests of bf16 KV ran at 2.86 TB/s in that order and 3.35 in batch order."""
     # decode_semaphore_count: one per (request, KV head, head block), a split's programs
     programs = decode_semaphore_count(seq_lens.shape[0], num_heads, num_kv_heads) * max_kv_splits
-    resident = resident_programs(kv_bytes)
+    resident = resident_programs(kv_bytes, head_dim)
     if not LONGEST_FIRST or programs <= resident * device_sms:
         return None
     return longest_first(seq_lens)
 
 
-def resident_programs(kv_bytes: int) -> int:
+def resident_programs(kv_bytes: int, head_dim: int = 128) -> int:
     """Stage-1 programs a multiprocessor holds at once, for stage1_config's choice (Hopper, D=128)."""
-    if kv_bytes != 1:
-        return RESIDENT_PROGRAMS
-    return FP8_ONE_WARP_RESIDENT if FP8_ONE_WARP is not None else FP8_RESIDENT_PROGRAMS
+    if one_warp(kv_bytes, head_dim):
+        return FP8_ONE_WARP_RESIDENT
+    return FP8_RESIDENT_PROGRAMS if kv_bytes == 1 else RESIDENT_PROGRAMS
 
 
 def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
@@ -486,8 +488,9 @@ def decode_attention(
         raise ValueError(f"decode_attention takes at most {MAX_GRID_Y} requests a call, got {batch}")
     if num_kv_splits is None:
         num_kv_splits, max_kv_splits = decode_kv_splits(
-            seq_lens, num_heads, num_kv_heads, num_sms(q.device), max_kv_splits, kv_bytes=k_buffer.element_size()
-        )
+            seq_lens, num_heads, num_kv_heads, num_sms(q.device), max_kv_splits,
+            kv_bytes=k_buffer.element_size(), head_dim=head_dim,
+        )  # fmt: skip
     if mid_o is None:
         mid_o = torch.empty(batch, num_heads, max_kv_splits, head_dim, dtype=torch.float32, device=q.device)
     if mid_lse is None:

@@ -128,13 +128,14 @@ class TritonAttnBackend(AttentionBackend):
         """Per-request KV split counts and their bound (decode_kv_splits)."""
         c, kv_bytes = self.config, fb.token_to_kv_pool.dtype.itemsize
         return decode_kv_splits(
-            fb.seq_lens, c.num_heads, c.num_kv_heads, self.num_sms, self.max_kv_splits, kv_bytes=kv_bytes
-        )
+            fb.seq_lens, c.num_heads, c.num_kv_heads, self.num_sms, self.max_kv_splits,
+            kv_bytes=kv_bytes, head_dim=c.head_dim,
+        )  # fmt: skip
 
     def _order(self, fb: ForwardBatch, bound: int) -> torch.Tensor | None:
         """The launch order of the batch's attention programs (decode_order), None for batch order."""
         c, kv_bytes = self.config, fb.token_to_kv_pool.dtype.itemsize
-        return decode_order(fb.seq_lens, c.num_heads, c.num_kv_heads, bound, self.num_sms, kv_bytes)
+        return decode_order(fb.seq_lens, c.num_heads, c.num_kv_heads, bound, self.num_sms, kv_bytes, c.head_dim)
 
     def _semaphores(self, bs: int) -> torch.Tensor:
         count = decode_semaphore_count(bs, self.config.num_heads, self.config.num_kv_heads)

@@ -86,8 +86,10 @@ def replay(args, shape, layers: int, dtype: torch.dtype, prompt_lens: list[int],
         seq = torch.tensor(lens, device=device, dtype=torch.int32)
         q = torch.randn(len(lens), h, d, device=device, dtype=q_dtype)
         kv_bytes = k_buf.element_size()
-        splits, bound = decode_kv_splits(seq, h, h_kv, num_sms(device), DEFAULT_MAX_KV_SPLITS, kv_bytes=kv_bytes)
-        order = decode_order(seq, h, h_kv, bound, num_sms(device), kv_bytes)
+        splits, bound = decode_kv_splits(
+            seq, h, h_kv, num_sms(device), DEFAULT_MAX_KV_SPLITS, kv_bytes=kv_bytes, head_dim=d
+        )
+        order = decode_order(seq, h, h_kv, bound, num_sms(device), kv_bytes, d)
         mid_o = torch.empty(len(lens), h, bound, d, dtype=torch.float32, device=device)
         mid_lse = torch.empty(len(lens), h, bound, dtype=torch.float32, device=device)
 

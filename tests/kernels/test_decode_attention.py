@@ -11,10 +11,13 @@ from labkit.kernels.decode import (
     FP8_DEEP_MIN_SHARED,
     FP8_NUM_STAGES,
     FP8_ONE_WARP,
+    FP8_ONE_WARP_RESIDENT,
     FP8_PROGRAMS_PER_SM,
+    FP8_RESIDENT_PROGRAMS,
     decode_order,
     decode_semaphore_count,
     longest_first,
+    resident_programs,
     stage1_config,
 )
 from labkit.kernels.reference import reference_decode_attention
@@ -181,6 +184,10 @@ def test_a_float8_pool_takes_one_warp_programs_and_more_splits(monkeypatch):
     seq = torch.full((64,), 4096)
     assert decode_kv_splits(seq, 16, 8, 132)[1] == 1
     assert decode_kv_splits(seq, 16, 8, 132, kv_bytes=1)[1] == -(-FP8_PROGRAMS_PER_SM * 132 // 512)
+    # head dims over 128 keep the 4-warp program, and its splits and residency with it
+    assert stage1_config(256, 1, FP8_DEEP_MIN_SHARED)["num_warps"] == 4
+    assert decode_kv_splits(seq, 16, 8, 132, kv_bytes=1, head_dim=256)[1] == 1
+    assert resident_programs(1, 256) == FP8_RESIDENT_PROGRAMS and resident_programs(1, 128) == FP8_ONE_WARP_RESIDENT
     monkeypatch.setattr(decode_module, "FP8_ONE_WARP", None)  # the 4-warp float8 program
     assert decode_kv_splits(seq, 16, 8, 132, kv_bytes=1)[1] == 1
     assert stage1_config(128, 1, FP8_DEEP_MIN_SHARED)["num_stages"] == FP8_NUM_STAGES  # Hopper
