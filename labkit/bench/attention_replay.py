@@ -61,10 +61,14 @@ class Replay:
         return Bucket(*(sum(getattr(b, f) for b in self.buckets.values()) for f in ("steps", "seconds", "kv_bytes")))
 
 
+def alive(out_lens: list[int], t: int) -> list[int]:
+    """The requests in decode step t: those with more than t + 1 output tokens (see above)."""
+    return [i for i, n in enumerate(out_lens) if n - 1 > t]
+
+
 def decode_steps(prompt_lens: list[int], out_lens: list[int]) -> list[list[int]]:
     """The KV length of each request in each decode step of the run, step 0 first (see above)."""
-    steps = max(out_lens) - 1
-    return [[p + t + 1 for p, n in zip(prompt_lens, out_lens) if n - 1 > t] for t in range(steps)]
+    return [[prompt_lens[i] + t + 1 for i in alive(out_lens, t)] for t in range(max(out_lens) - 1)]
 
 
 def replay(args, shape, layers: int, dtype: torch.dtype, prompt_lens: list[int], out_lens: list[int]) -> Replay:
@@ -77,19 +81,17 @@ def replay(args, shape, layers: int, dtype: torch.dtype, prompt_lens: list[int],
     k_buf = torch.randn(batch * room + 1, h_kv, d, device=device).to(dtype)
     v_buf = torch.randn(batch * room + 1, h_kv, d, device=device).to(dtype)
     q_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kv_bytes, sms = k_buf.element_size(), num_sms(device)
     result = Replay()
     steps = decode_steps(prompt_lens, out_lens)
     for t, lens in enumerate(steps):
         if t % args.every:
             continue
-        rows = torch.tensor([i for i, n in enumerate(out_lens) if n - 1 > t], device=device)
+        rows = torch.tensor(alive(out_lens, t), device=device)
         seq = torch.tensor(lens, device=device, dtype=torch.int32)
         q = torch.randn(len(lens), h, d, device=device, dtype=q_dtype)
-        kv_bytes = k_buf.element_size()
-        splits, bound = decode_kv_splits(
-            seq, h, h_kv, num_sms(device), DEFAULT_MAX_KV_SPLITS, kv_bytes=kv_bytes, head_dim=d
-        )
-        order = decode_order(seq, h, h_kv, bound, num_sms(device), kv_bytes, d)
+        splits, bound = decode_kv_splits(seq, h, h_kv, sms, DEFAULT_MAX_KV_SPLITS, kv_bytes=kv_bytes, head_dim=d)
+        order = decode_order(seq, h, h_kv, bound, sms, kv_bytes, d)
         mid_o = torch.empty(len(lens), h, bound, d, dtype=torch.float32, device=device)
         mid_lse = torch.empty(len(lens), h, bound, dtype=torch.float32, device=device)
 
