@@ -25,7 +25,7 @@ from labkit.kernels.gemv import gemv, gemv_rmsnorm, gemv_silu_and_mul
 from labkit.kernels.gemv import max_rows as gemv_max_rows
 from labkit.kernels.gemv import semaphore_count as gemv_semaphore_count
 from labkit.kernels.gemv_qkv import QKVHeads, fuses_qkv, gemv_qkv_rope_store
-from labkit.kernels.kv_cache import store_kv
+from labkit.kernels.kv_cache import store_kv, stores_into
 from labkit.kernels.moe_align import moe_align_block_size
 from labkit.kernels.norm import fused_add_rmsnorm, rmsnorm
 from labkit.kernels.rotary import rotary_embedding, rotary_embedding_store
@@ -52,4 +52,5 @@ __all__ = [
     "rotary_embedding_store",
     "silu_and_mul",
     "store_kv",
+    "stores_into",
 ]

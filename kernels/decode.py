@@ -78,12 +78,13 @@ FP8_RESIDENT_PROGRAMS = 2
 # most stalls "wait" and "short scoreboard", DRAM 49% busy). One warp needs no barrier, and many fit:
 # ptxas gave a scratch copy of the loop 168 registers and 21 KB of shared memory, about 10 a
 # multiprocessor (FP8_ONE_WARP_RESIDENT, for decode_order). That copy read 256 x 1024 tokens at 3.41
-# TB/s against 2.97. The programs being small, the splits aim at FP8_PROGRAMS_PER_SM of them. Offline
-# on an H200, in one process: 33,537 tok/s against 30,846 (medians of 3 rounds, docs/benchmarks.md).
-# None: the 4-warp program.
+# TB/s against 2.97. The programs being small, the splits aim at FP8_PROGRAMS_PER_SM of them: 12 gave
+# the offline run's attention 2.57 s on an H200 against 2.76 for 8 and 2.63 for 16, replayed step by
+# step (labkit.bench.attention_replay); offline, in one process, one warp took the run from 30,846 to
+# 33,537 tok/s (medians of 3 rounds, docs/benchmarks.md). None: the 4-warp program.
 FP8_ONE_WARP: dict[str, int] | None = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 5}
 FP8_ONE_WARP_RESIDENT = 10
-FP8_PROGRAMS_PER_SM = 8
+FP8_PROGRAMS_PER_SM = 12
 
 
 def stage1_config(head_dim: int, kv_bytes: int = 2, shared_memory: int = 0) -> dict[str, int]:

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from labkit.kernels.decode import num_sms
 from labkit.kernels.gemv import RMSNORM, Split, default_tiles, gemv_outputs, gemv_sums, launch_args, normed_row
+from labkit.kernels.kv_cache import fp8_max, quantize_fp8, stores_into
 from labkit.kernels.rotary import rope_heads
 
 ENABLED = os.environ.get("LABKIT_DISABLE_FUSED_QKV", "0") != "1"
@@ -33,6 +34,13 @@ ENABLED = os.environ.get("LABKIT_DISABLE_FUSED_QKV", "0") != "1"
 # its wait as after a plain GEMV: it can do little before its own wait, and its programs, launched
 # early and resident, cost about 1 us a layer (docs/benchmarks.md). A constant for batch1_ab's A/B.
 LAUNCH_ATTENTION_EARLY = False
+
+
+@triton.jit
+def _rope_head(X, Xo, W, eps, cos, sin, scale, FP8_MAX: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """rope_heads on one head of HEAD_DIM at X (written by other programs: read from L2) to Xo."""
+    half: tl.constexpr = HEAD_DIM // 2
+    rope_heads(X, Xo, W, eps, 0, 0, 0, 0, 0, cos, sin, 1, half, 1, half, HAS_NORM, True, scale, FP8_MAX)
 
 
 @triton.jit
@@ -59,6 +67,8 @@ def _gemv_qkv_kernel(
     K_buf,
     V_buf,
     Loc,
+    k_scale,
+    v_scale,
     Head_semaphores,
     NUM_Q: tl.constexpr,
     NUM_KV: tl.constexpr,
@@ -71,6 +81,7 @@ def _gemv_qkv_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
     LAUNCH_EARLY: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # > 0: a float8 pool, K and V stored divided by their scales (store_kv's rule)
 ):
     acc, sq_sum, done = gemv_sums(
         X,
@@ -100,7 +111,11 @@ def _gemv_qkv_kernel(
         head = pid * BLOCK_N // HEAD_DIM
         slot = tl.load(Loc).to(tl.int64)
         if head >= NUM_Q + NUM_KV:  # V: as it is, into the pool
-            tl.store(V_buf + slot * NUM_KV * HEAD_DIM + offs_n - (NUM_Q + NUM_KV) * HEAD_DIM, y)
+            v_row = V_buf + slot * NUM_KV * HEAD_DIM - (NUM_Q + NUM_KV) * HEAD_DIM
+            if FP8_MAX > 0:
+                tl.store(v_row + offs_n, quantize_fp8(y, v_scale, FP8_MAX).to(V_buf.dtype.element_ty))
+            else:
+                tl.store(v_row + offs_n, y)
         else:
             tl.store(Y + offs_n, y)
             tl.debug_barrier()  # every thread's outputs are written before the count goes up
@@ -109,29 +124,12 @@ def _gemv_qkv_kernel(
                 half_d = tl.arange(0, HEAD_DIM // 2)
                 cos = tl.load(Table + half_d)[None, :]  # the rope table's row 0: this token's position
                 sin = tl.load(Table + HEAD_DIM // 2 + half_d)[None, :]
-                if head < NUM_Q:
-                    out, norm_w = Y + head * HEAD_DIM, QW
-                else:
-                    out, norm_w = K_buf + (slot * NUM_KV + head - NUM_Q) * HEAD_DIM, KW
-                rope_heads(
-                    Y + head * HEAD_DIM,
-                    out,
-                    norm_w,
-                    head_eps,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    cos,
-                    sin,
-                    1,
-                    HEAD_DIM // 2,
-                    1,
-                    HEAD_DIM // 2,
-                    HAS_HEAD_NORM,
-                    True,
-                )
+                x_head = Y + head * HEAD_DIM
+                if head < NUM_Q:  # q in place in Y
+                    _rope_head(x_head, x_head, QW, head_eps, cos, sin, 1.0, 0.0, HEAD_DIM, HAS_HEAD_NORM)
+                else:  # k into the pool
+                    k_row = K_buf + (slot * NUM_KV + head - NUM_Q) * HEAD_DIM
+                    _rope_head(x_head, k_row, KW, head_eps, cos, sin, k_scale, FP8_MAX, HEAD_DIM, HAS_HEAD_NORM)
 
 
 @dataclass(frozen=True)
@@ -151,15 +149,14 @@ class QKVHeads:
 
 def fuses_qkv(heads: QKVHeads, k_buffer: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether gemv_qkv_rope_store takes this layer: a head of a power-of-two size made of whole
-    tiles, and a pool that stores the model's dtype (a float8 pool quantizes in store_kv); never
-    with LABKIT_DISABLE_FUSED_QKV=1."""
+    tiles, and a pool that stores the model's dtype or float8; never with LABKIT_DISABLE_FUSED_QKV=1."""
     d = heads.head_dim
     n = (heads.num_q + 2 * heads.num_kv) * d
     return (
         ENABLED
         and d & (d - 1) == 0
         and d % default_tiles(n, x.shape[-1], num_sms(x.device)).block_n == 0
-        and k_buffer.dtype == x.dtype
+        and stores_into(k_buffer.dtype, x.dtype)
     )
 
 
@@ -176,10 +173,13 @@ def gemv_qkv_rope_store(
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
     loc: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For one token: qkv = gemv_rmsnorm(x, residual, norm_weight, eps, weight, bias); q and k get
     rotary_embedding (after the per-head norm where heads.norm_weights); k and v go to the pool rows
-    k_buffer[loc[0]], v_buffer[loc[0]] ([num_slots, num_kv, head_dim] each, contiguous). rope_table:
+    k_buffer[loc[0]], v_buffer[loc[0]] ([num_slots, num_kv, head_dim] each, contiguous; x's dtype,
+    or float8 holding k / k_scale and v / v_scale as store_kv quantizes them). rope_table:
     the float32 cos | sin row of the token's position, [1, head_dim] (RotaryEmbedding.kernel_inputs).
     Returns (q [1, num_q, head_dim], the new residual as gemv_rmsnorm returns it)."""
     n, d = weight.shape[0], heads.head_dim
@@ -189,7 +189,7 @@ def gemv_qkv_rope_store(
     if heads.semaphores.numel() < heads.num_q + heads.num_kv or heads.semaphores.dtype != torch.int32:
         raise ValueError(f"{heads.num_q + heads.num_kv} int32 head semaphores needed")
     for buf in (k_buffer, v_buffer):
-        if buf.shape[1:] != (heads.num_kv, d) or not buf.is_contiguous() or buf.dtype != x.dtype:
+        if buf.shape[1:] != (heads.num_kv, d) or not buf.is_contiguous() or not stores_into(buf.dtype, x.dtype):
             raise ValueError(f"a pool buffer of shape {tuple(buf.shape)} for {heads.num_kv} heads of {d}")
     if rope_table.shape != (1, d) or rope_table.dtype != torch.float32:
         raise ValueError(f"the rope table must be one float32 row of {d}, got {tuple(rope_table.shape)}")
@@ -208,12 +208,15 @@ def gemv_qkv_rope_store(
         k_buffer,
         v_buffer,
         loc,
+        k_scale,
+        v_scale,
         heads.semaphores,
         NUM_Q=heads.num_q,
         NUM_KV=heads.num_kv,
         HEAD_DIM=d,
         HAS_HEAD_NORM=heads.norm_weights is not None,
         LAUNCH_EARLY=LAUNCH_ATTENTION_EARLY,
+        FP8_MAX=fp8_max(k_buffer.dtype),
         **options,
     )
     q = y[: heads.num_q * d].view(1, heads.num_q, d)

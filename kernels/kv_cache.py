@@ -12,7 +12,7 @@ from labkit.mem_cache.memory_pool import is_fp8
 
 
 @triton.jit
-def _quantize(x, scale, FP8_MAX: tl.constexpr):
+def quantize_fp8(x, scale, FP8_MAX: tl.constexpr):
     """x / scale in float32, saturated to [-FP8_MAX, FP8_MAX] (quantize_kv's rule; the cast after it
     rounds to nearest even)."""
     y = x.to(tl.float32) / scale
@@ -50,10 +50,23 @@ def _store_kv_kernel(
     k = tl.load(K + rows * stride_kt + offs_r[None, :], mask=mask)
     v = tl.load(V + rows * stride_vt + offs_r[None, :], mask=mask)
     if FP8_MAX > 0:
-        k = _quantize(k, k_scale, FP8_MAX)
-        v = _quantize(v, v_scale, FP8_MAX)
+        k = quantize_fp8(k, k_scale, FP8_MAX)
+        v = quantize_fp8(v, v_scale, FP8_MAX)
     tl.store(K_buf + slots[:, None] * stride_kbs + offs_r[None, :], k.to(K_buf.dtype.element_ty), mask=mask)
     tl.store(V_buf + slots[:, None] * stride_vbs + offs_r[None, :], v.to(V_buf.dtype.element_ty), mask=mask)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The FP8_MAX constexpr of a store into a buffer of `dtype`: its largest finite value for a
+    float8 pool (quantize_fp8 saturates there), 0.0 for any other (a plain cast)."""
+    return torch.finfo(dtype).max if is_fp8(dtype) else 0.0
+
+
+def stores_into(pool_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether a kernel that makes K/V in `dtype` may store them into a pool of `pool_dtype` itself,
+    as store_kv would (rotary_embedding_store, gemv_qkv_rope_store): the same dtype, or float8
+    (quantize_fp8 by the layer's scales)."""
+    return pool_dtype == dtype or is_fp8(pool_dtype)
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -105,7 +118,7 @@ def store_kv(
         ROW=row,
         BLOCK_T=block_t,
         BLOCK_R=block_r,
-        FP8_MAX=torch.finfo(k_buffer.dtype).max if is_fp8(k_buffer.dtype) else 0.0,
+        FP8_MAX=fp8_max(k_buffer.dtype),
         num_warps=4,
         **pdl_options(k.device, num_tokens),
     )

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from labkit.kernels.kv_cache import fp8_max, quantize_fp8, stores_into
 from labkit.kernels.pdl import pdl_options, pdl_wait
 
 
@@ -33,8 +34,12 @@ def rope_heads(
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
     FROM_L2: tl.constexpr,  # X was written by other programs of this launch: load past L1 (".cg")
+    scale=1.0,
+    FP8_MAX: tl.constexpr = 0.0,  # > 0: Xo is a float8 pool's row, stored as store_kv quantizes
 ):
-    """Rope (after the per-head norm with HAS_NORM) on NUM_HEADS heads of token t, X to Xo."""
+    """Rope (after the per-head norm with HAS_NORM) on NUM_HEADS heads of token t, X to Xo. Results
+    round to X's dtype, as the unfused kernels' outputs do; into a float8 pool (FP8_MAX), that rounded
+    value is then quantized by `scale` as store_kv would store it."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HALF)[None, :]
@@ -49,11 +54,16 @@ def rope_heads(
         rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
         w1 = tl.load(W + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(W + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
-        x1 = ((x1 * rstd).to(Xo.dtype.element_ty).to(tl.float32) * w1).to(Xo.dtype.element_ty).to(tl.float32)
-        x2 = ((x2 * rstd).to(Xo.dtype.element_ty).to(tl.float32) * w2).to(Xo.dtype.element_ty).to(tl.float32)
+        x1 = ((x1 * rstd).to(X.dtype.element_ty).to(tl.float32) * w1).to(X.dtype.element_ty).to(tl.float32)
+        x2 = ((x2 * rstd).to(X.dtype.element_ty).to(tl.float32) * w2).to(X.dtype.element_ty).to(tl.float32)
+    y1 = (x1 * cos - x2 * sin).to(X.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(X.dtype.element_ty)
+    if FP8_MAX > 0:
+        y1 = quantize_fp8(y1, scale, FP8_MAX)
+        y2 = quantize_fp8(y2, scale, FP8_MAX)
     o_ptr = Xo + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptr, (x1 * cos - x2 * sin).to(Xo.dtype.element_ty), mask=mask)
-    tl.store(o_ptr + HALF, (x2 * cos + x1 * sin).to(Xo.dtype.element_ty), mask=mask)
+    tl.store(o_ptr, y1.to(Xo.dtype.element_ty), mask=mask)
+    tl.store(o_ptr + HALF, y2.to(Xo.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -70,6 +80,8 @@ def _rope_kernel(
     V,
     V_buf,
     Loc,
+    k_scale,
+    v_scale,
     stride_vt,
     stride_kbs,
     stride_vbs,
@@ -90,6 +102,7 @@ def _rope_kernel(
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
     STORE: tl.constexpr,  # k to K_buf and v to V_buf at slot Loc[t] (a third program copies v)
+    FP8_MAX: tl.constexpr,  # > 0: the pool is float8, stored divided by k_scale / v_scale (store_kv's rule)
     V_ROW: tl.constexpr,
     BLOCK_V: tl.constexpr,
     PDL: tl.constexpr,
@@ -101,6 +114,8 @@ def _rope_kernel(
         if tl.program_id(1) == 2:
             offs_v = tl.arange(0, BLOCK_V)
             row = tl.load(V + t * stride_vt + offs_v, mask=offs_v < V_ROW)
+            if FP8_MAX > 0:
+                row = quantize_fp8(row, v_scale, FP8_MAX)
             tl.store(V_buf + slot * stride_vbs + offs_v, row.to(V_buf.dtype.element_ty), mask=offs_v < V_ROW)
             return
         # The slot's row as K_out's token 0: rope_heads writes token t at K_out + t * stride_kot.
@@ -149,6 +164,8 @@ def _rope_kernel(
             BLOCK_HALF,
             HAS_NORM,
             False,
+            k_scale,
+            FP8_MAX,
         )
 
 
@@ -193,15 +210,19 @@ def rotary_embedding_store(
     loc: torch.Tensor,
     norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
     eps: float = 1e-6,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """rotary_embedding's q (a new contiguous tensor), with the rotated k and v [T, H_kv, D] (last dim
     contiguous, the heads of a token adjacent) written into the pool's k_buffer / v_buffer [slots,
-    H_kv, D] at slots loc [T], as store_kv writes them: the same bits as the two kernels. The buffers
-    must hold q's dtype (store_kv quantizes for a float8 pool)."""
-    assert k_buffer.dtype == v_buffer.dtype == q.dtype and k_buffer.shape[1:] == k.shape[1:] == v.shape[1:]
+    H_kv, D] at slots loc [T], as store_kv(..., k_scale, v_scale) writes them: the same bits as the
+    two kernels. The buffers hold q's dtype or float8 (quantized by the layer's scales)."""
+    assert k_buffer.dtype == v_buffer.dtype and stores_into(k_buffer.dtype, q.dtype)
+    assert k_buffer.shape[1:] == k.shape[1:] == v.shape[1:]
     assert k_buffer[0].is_contiguous() and v_buffer[0].is_contiguous() and v.stride()[1:] == (v.shape[2], 1)
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _launch(positions, q, k, q_out, k_buffer, cos_sin_cache, norm_weights, eps, (v, v_buffer, loc))
+    store = (v, v_buffer, loc, k_scale, v_scale)
+    _launch(positions, q, k, q_out, k_buffer, cos_sin_cache, norm_weights, eps, store)
     return q_out
 
 
@@ -214,7 +235,7 @@ def _launch(
     cos_sin_cache: torch.Tensor,
     norm_weights: tuple[torch.Tensor, torch.Tensor] | None,
     eps: float,
-    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,  # (v, v_buffer, loc): k_out is the pool's
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None,  # (v, v_buffer, loc, scales)
 ) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
@@ -225,7 +246,7 @@ def _launch(
     if norm_weights is not None:
         assert all(w.shape == (head_dim,) and w.is_contiguous() for w in norm_weights)
     q_w, k_w = norm_weights if norm_weights is not None else (cos_sin_cache, cos_sin_cache)  # unread
-    v, v_buffer, loc = store if store is not None else (q, q, positions)  # unread without STORE
+    v, v_buffer, loc, k_scale, v_scale = store if store is not None else (q, q, positions, 1.0, 1.0)  # unread
     half = head_dim // 2
     _rope_kernel[(num_tokens, 2 if store is None else 3)](
         positions,
@@ -240,6 +261,8 @@ def _launch(
         v,
         v_buffer,
         loc,
+        k_scale,
+        v_scale,
         v.stride(0),
         k_out.stride(0),
         v_buffer.stride(0),
@@ -260,6 +283,7 @@ def _launch(
         BLOCK_HALF=triton.next_power_of_2(half),
         HAS_NORM=norm_weights is not None,
         STORE=store is not None,
+        FP8_MAX=fp8_max(k_out.dtype) if store is not None else 0.0,
         V_ROW=num_k_heads * head_dim,
         BLOCK_V=triton.next_power_of_2(num_k_heads * head_dim),
         num_warps=4,

@@ -71,10 +71,12 @@ def test_fused_projections_decode_as_the_separate_kernels(model, monkeypatch):
     assert_same_decode(out, ref)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("model", ["tiny-qwen2", "tiny-qwen3"])
-def test_qkv_with_rotary_and_kv_store_decodes_as_the_separate_kernels(model, monkeypatch):
+def test_qkv_with_rotary_and_kv_store_decodes_as_the_separate_kernels(model, kv_cache_dtype, monkeypatch):
     """Under the triton backend, every decode step's layers write q and the pool's K/V from
-    gemv_qkv_rope_store (the rotary kernel's table forced on CPU), and the tokens are the same."""
+    gemv_qkv_rope_store (the rotary kernel's table forced on CPU), and the tokens are the same, on a
+    pool of the model's dtype and on a float8 one (the kernel quantizes as store_kv)."""
     if not CUDA:
         monkeypatch.setattr(labkit.layers.rotary, "use_triton_kernels", lambda x: True)
     calls, out, ref = decode_with_and_without_gemv(
@@ -84,23 +86,26 @@ def test_qkv_with_rotary_and_kv_store_decodes_as_the_separate_kernels(model, mon
         attention_backend="triton",
         disable_cuda_graph=True,
         disable_overlap_schedule=True,  # on CUDA an overlapped run forwards one decode step past the last token
+        kv_cache_dtype=kv_cache_dtype,
     )
     layers = 2  # the tiny models'
     assert calls["gemv_qkv_rope_store"] == layers * (PARAMS["max_new_tokens"] - 1), calls  # not in the prefill
     assert_same_decode(out, ref)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
-def test_rotary_with_kv_store_decodes_as_the_separate_kernels(model, monkeypatch):
+def test_rotary_with_kv_store_decodes_as_the_separate_kernels(model, kv_cache_dtype, monkeypatch):
     """Rows the GEMV does not take (two requests, and the GEMV off) run qkv_proj as a matmul, then
     under the triton backend rotary_embedding_store in every decode step's layers: the same tokens as
-    rotary_embedding then store_kv, and the logprobs within the dtype's rounding."""
+    rotary_embedding then store_kv, and the logprobs within the dtype's rounding, on a pool of the
+    model's dtype and on a float8 one."""
     if not CUDA:
         monkeypatch.setattr(labkit.layers.rotary, "use_triton_kernels", lambda x: True)
     monkeypatch.setattr(LinearBase, "gemv_takes", lambda self, x, width: False)
     device, dtype = ("cuda", "bfloat16") if CUDA else ("cpu", "float32")
     kw = {"model_path": model, "load_format": "dummy", "device": device, "dtype": dtype, "attention_backend": "triton"}
-    kw |= {"disable_cuda_graph": True, "disable_overlap_schedule": True}
+    kw |= {"disable_cuda_graph": True, "disable_overlap_schedule": True, "kv_cache_dtype": kv_cache_dtype}
     prompts = [PROMPT, PROMPT[::-1] + [3]]
     with monkeypatch.context() as m:
         m.setattr(labkit.models.llama, "STORE_KV_IN_ROTARY", False)

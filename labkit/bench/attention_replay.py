@@ -33,7 +33,8 @@ from labkit.kernels import decode_attention, decode_kv_splits
 from labkit.kernels.decode import DEFAULT_MAX_KV_SPLITS, decode_order, num_sms
 from labkit.mem_cache.memory_pool import kv_cache_dtype
 
-BATCH_EDGES = (16, 32, 64, 128, 192, 256)  # a bucket holds the batches up to its edge (and above the last)
+# A bucket holds the batches up to its edge (and above the last).
+BATCH_EDGES = (16, 32, 64, 96, 128, 160, 192, 224, 256)
 
 
 @dataclass

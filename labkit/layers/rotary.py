@@ -126,13 +126,16 @@ class RopeInputs:
         k_buffer: torch.Tensor,
         v_buffer: torch.Tensor,
         loc: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """apply's q, with the rotated k and v [T, H_kv, D] written into a KV pool's buffers (of q's
-        dtype) at slots loc, in one kernel (labkit.kernels.rotary_embedding_store). CUDA only: the
-        fused kernel's table (prepare on CUDA)."""
+        dtype, or float8 quantized by the layer's scales) at slots loc, in one kernel
+        (labkit.kernels.rotary_embedding_store). CUDA only: the fused kernel's table (prepare on CUDA)."""
         assert self.table is not None, "apply_and_store needs the fused kernel's table"
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
         return triton_kernels().rotary_embedding_store(
-            self.rows, q, k, v, self.table, k_buffer, v_buffer, loc, **_norm_kwargs(q_norm, k_norm)
+            self.rows, q, k, v, self.table, k_buffer, v_buffer, loc, **_norm_kwargs(q_norm, k_norm), **scales
         )
 
 

@@ -60,23 +60,27 @@ class LlamaAttention(nn.Module):
         pool = self._pool_to_store(rope, q, forward_batch)
         if pool is not None:  # rope and the KV store in one kernel (a decode or verify forward)
             v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-            q = rope.apply_and_store(q, k, v, self.q_norm, self.k_norm, *pool, forward_batch.out_cache_loc)
+            k_buffer, v_buffer, k_scale, v_scale = pool
+            loc = forward_batch.out_cache_loc
+            q = rope.apply_and_store(q, k, v, self.q_norm, self.k_norm, k_buffer, v_buffer, loc, k_scale, v_scale)
             return self.o_proj(self.attn(q, None, None, forward_batch))
         q, k = rope.apply(q, k, self.q_norm, self.k_norm)  # q/k norm (Qwen3) fused into rope on CUDA
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
     def _pool_to_store(
         self, rope: RopeInputs, q: torch.Tensor, fb: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This layer's (K, V) pool buffers where the rotary kernel stores the new K/V itself: on CUDA
-        (the fused kernel's table), in a decode or verify forward of a backend that takes K/V stored,
-        into a pool of the model's dtype (store_kv quantizes for a float8 one). Else None."""
+    ) -> tuple[torch.Tensor, torch.Tensor, float, float] | None:
+        """This layer's (K, V) pool buffers and float8 scales where the rotary kernel stores the new
+        K/V itself: on CUDA (the fused kernel's table), in a decode or verify forward of a backend that
+        takes K/V stored, into a pool of the model's dtype or float8. Else None."""
         stores = STORE_KV_IN_ROTARY and rope.table is not None and fb.forward_mode.is_decode()
         if not (stores and fb.attn_backend.takes_stored_kv):
             return None
-        layer = self.attn.spec.layer_id
-        k_buffer, v_buffer = fb.token_to_kv_pool.get_key_buffer(layer), fb.token_to_kv_pool.get_value_buffer(layer)
-        return (k_buffer, v_buffer) if k_buffer.dtype == q.dtype else None
+        pool, layer = fb.token_to_kv_pool, self.attn.spec.layer_id
+        k_buffer, v_buffer = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+        if not triton_kernels().stores_into(k_buffer.dtype, q.dtype):
+            return None
+        return k_buffer, v_buffer, pool.k_scale[layer], pool.v_scale[layer]
 
     def forward_normed(
         self, rope: RopeInputs, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, fb: ForwardBatch
@@ -103,6 +107,8 @@ class LlamaAttention(nn.Module):
             pool.get_key_buffer(layer),
             pool.get_value_buffer(layer),
             fb.out_cache_loc,
+            pool.k_scale[layer],
+            pool.v_scale[layer],
         )
         return self.o_proj(self.attn(q, None, None, fb)), residual
 

@@ -49,16 +49,19 @@ def _layer(num_q, num_kv, head_dim, hidden, bias, qk_norm, dtype, device, gen, s
 )
 @pytest.mark.parametrize("with_residual", [False, True], ids=["first_layer", "residual"])
 @pytest.mark.parametrize("split_k", [None, 4], ids=["whole_k", "split_k"])  # split: a deep TP's narrow qkv
+@pytest.mark.parametrize("pool_dtype", [None, torch.float8_e4m3fn], ids=["model", "e4m3"])
 def test_fused_qkv_equals_gemv_then_rotary_then_store_kv(
-    num_q, num_kv, head_dim, hidden, bias, qk_norm, with_residual, split_k, dtype, device, gen
+    num_q, num_kv, head_dim, hidden, bias, qk_norm, with_residual, split_k, pool_dtype, dtype, device, gen
 ):
+    """A float8 pool holds k / k_scale and v / v_scale as store_kv stores them (the bytes compared)."""
     heads, w = _layer(num_q, num_kv, head_dim, hidden, bias, qk_norm, dtype, device, gen, split_k)
+    scales = {"k_scale": 0.25, "v_scale": 0.125} if pool_dtype else {}
     x = torch.randn(1, hidden, generator=gen, device=device).to(dtype)
     residual = torch.randn(1, hidden, generator=gen, device=device).to(dtype) if with_residual else None
     rope = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": 10000.0}, 4096)
     inputs = rope.kernel_inputs(torch.tensor([1234], device=device))
     loc = torch.tensor([3], dtype=torch.int32, device=device)
-    before = [torch.randn(SLOTS, num_kv, head_dim, generator=gen, device=device).to(dtype) for _ in range(2)]
+    before = [torch.randn(SLOTS, num_kv, head_dim, generator=gen, device=device).to(pool_dtype or dtype) for _ in "kv"]
     k_ref, v_ref, k_buf, v_buf = [p.clone() for p in before + before]
     assert fuses_qkv(heads, k_buf, x)
 
@@ -67,21 +70,24 @@ def test_fused_qkv_equals_gemv_then_rotary_then_store_kv(
     q_ref, k_roped = rotary_embedding(
         inputs.rows, q.view(1, num_q, head_dim), k.view(1, num_kv, head_dim), inputs.table, False, heads.norm_weights
     )
-    store_kv(k_ref, v_ref, loc, k_roped, v.view(1, num_kv, head_dim))
+    store_kv(k_ref, v_ref, loc, k_roped, v.view(1, num_kv, head_dim), **scales)
+
+    def same(a, b):
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
     for _ in range(2):  # the semaphores serve launch after launch
         q_out, res_out = gemv_qkv_rope_store(
-            x, residual, **w, heads=heads, rope_table=inputs.table, k_buffer=k_buf, v_buffer=v_buf, loc=loc
+            x, residual, **w, heads=heads, rope_table=inputs.table, k_buffer=k_buf, v_buffer=v_buf, loc=loc, **scales
         )
         if qk_norm and dtype == torch.float32 and q_out.is_cuda:
             torch.testing.assert_close(q_out, q_ref, rtol=1e-6, atol=1e-6)
         else:
             assert torch.equal(q_out, q_ref)
         assert torch.equal(res_out, res_ref)
-        assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)  # slot 3 written, the rest untouched
+        assert same(k_buf, k_ref) and same(v_buf, v_ref)  # slot 3 written, the rest untouched
         assert not heads.semaphores.any() and not w["split"].semaphores.any()
     for buf, old in zip((k_buf, v_buf), before):  # the slot's row was written
-        assert not torch.equal(buf[3], old[3]) and torch.equal(buf[:3], old[:3])
+        assert not same(buf[3], old[3]) and same(buf[:3], old[:3])
 
 
 def test_fused_qkv_refuses_what_it_does_not_take(device, gen):
@@ -90,7 +96,8 @@ def test_fused_qkv_refuses_what_it_does_not_take(device, gen):
     table = torch.zeros(1, 32, device=device)
     loc = torch.zeros(1, dtype=torch.int32, device=device)
     pool = torch.zeros(SLOTS, 1, 32, device=device)
-    assert not fuses_qkv(heads, pool.half(), x)  # a pool of another dtype (float8) quantizes in store_kv
+    assert not fuses_qkv(heads, pool.half(), x)  # a pool of another 16-bit dtype: store_kv's cast
+    assert fuses_qkv(heads, pool.to(torch.float8_e4m3fn), x)  # float8: quantized in the kernel
     assert not fuses_qkv(QKVHeads(2, 1, 48, heads.semaphores), pool, x)  # heads of 48: not a power of two
     with pytest.raises(ValueError, match="does not take"):
         gemv_qkv_rope_store(

@@ -91,13 +91,19 @@ def test_rope_inputs_fused_norm_matches_torch_path(device, gen, check_close):
     check_close(k_f, k_t, torch.float32, scale=10)
 
 
+@pytest.mark.parametrize("pool_dtype", [None, torch.float8_e4m3fn, torch.float8_e5m2], ids=["model", "e4m3", "e5m2"])
 @pytest.mark.parametrize("norm", [False, True], ids=["plain", "qk_norm"])
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4)], ids=lambda h: f"h{h[0]}-kv{h[1]}")
-def test_rope_store_writes_what_rope_then_store_kv_write(heads, norm, dtype, device, gen):
-    """Bit for bit: q, and the pool (the rows at the slots written, every other row untouched)."""
+def test_rope_store_writes_what_rope_then_store_kv_write(heads, norm, pool_dtype, dtype, device, gen):
+    """Bit for bit: q, and the pool (the rows at the slots written, every other row untouched). A
+    float8 pool holds k / k_scale and v / v_scale, rounded and saturated as store_kv stores them
+    (inputs large enough that some saturate)."""
     num_heads, num_kv_heads = heads
     head_dim, t, slots = 64, 7, 40
-    qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen, device=device).to(dtype)
+    scales = {"k_scale": 0.5, "v_scale": 2.0} if pool_dtype else {}
+    magnitude = 400.0 if pool_dtype else 1.0
+    qkv = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen, device=device) * magnitude
+    qkv = qkv.to(dtype)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q, k, v = (x.view(t, -1, head_dim) for x in (q, k, v))
     table = torch.randn(t, head_dim, generator=gen, device=device)  # rows of cos | sin, as the layers' table
@@ -105,10 +111,11 @@ def test_rope_store_writes_what_rope_then_store_kv_write(heads, norm, dtype, dev
     loc = torch.randperm(slots, generator=gen, device=device)[:t]
     weights = tuple(torch.randn(head_dim, generator=gen, device=device).to(dtype) for _ in range(2))
     kw = {"norm_weights": weights, "eps": 1e-6} if norm else {}
-    pool = torch.randn(2, slots, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
+    pool = torch.randn(2, slots, num_kv_heads, head_dim, generator=gen, device=device).to(pool_dtype or dtype)
     pools = [pool.clone(), pool.clone()]
     q_ref, k_ref = rotary_embedding(rows, q, k, table, **kw)
-    store_kv(pools[0][0], pools[0][1], loc, k_ref, v)
-    q_out = rotary_embedding_store(rows, q, k, v, table, pools[1][0], pools[1][1], loc, **kw)
+    store_kv(pools[0][0], pools[0][1], loc, k_ref, v, **scales)
+    q_out = rotary_embedding_store(rows, q, k, v, table, pools[1][0], pools[1][1], loc, **kw, **scales)
     assert torch.equal(q_out, q_ref)
-    assert torch.equal(pools[1], pools[0])
+    assert torch.equal(pools[1].view(torch.uint8), pools[0].view(torch.uint8))
+    assert not torch.equal(pools[1].view(torch.uint8), pool.view(torch.uint8))  # the slots were written
