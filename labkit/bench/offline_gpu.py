@@ -186,6 +186,8 @@ def build_engine(model: str, args, **overrides) -> Engine:
         kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
     )
+    if args.cuda_graph_max_prefill_tokens is not None:
+        options["cuda_graph_max_prefill_tokens"] = args.cuda_graph_max_prefill_tokens
     return Engine(**{**options, **overrides})
 
 
@@ -509,6 +511,9 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--cuda-graph-max-bs", type=int, default=256)
     ap.add_argument("--chunked-prefill-size", type=int, default=None, help="default: the engine's")
+    ap.add_argument(
+        "--cuda-graph-max-prefill-tokens", type=int, default=None, help="prefill graphs' cap (default: the engine's)"
+    )
     ap.add_argument(
         "--kernel-profile",
         action="store_true",
