@@ -146,11 +146,10 @@ class EngineConfig:
         },
     )
     cuda_graph_max_prefill_tokens: int = field(
-        default=8192,
+        default=2048,
         metadata={
             "help": "extend (prefill, mixed) forwards of up to this many new tokens run from captured CUDA "
-            "graphs (CUDA with the triton backend, one rank); 0: extends always run eagerly. The default "
-            "covers CUDA's 8192-token prefill chunks"
+            "graphs (CUDA with the triton backend, one rank); 0: extends always run eagerly"
         },
     )
     disable_cuda_graph: bool = field(
