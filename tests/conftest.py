@@ -45,6 +45,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
+@pytest.fixture(autouse=True)
+def _cuda_errors_stay_with_their_test():
+    """A kernel's asynchronous CUDA error surfaces at the next synchronization, which may be the next
+    test's setup (a GPU run once ended with every test of two files erroring at setup, the cause cut
+    from its log). Synchronizing after each test makes the test that launched it report it."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 @pytest.fixture(scope="session")
 def embedded_dir():
     from labkit.model_loader.embedded import embedded_model_dir
