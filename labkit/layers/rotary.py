@@ -133,10 +133,10 @@ class RopeInputs:
         dtype, or float8 quantized by the layer's scales) at slots loc, in one kernel
         (labkit.kernels.rotary_embedding_store). CUDA only: the fused kernel's table (prepare on CUDA)."""
         assert self.table is not None, "apply_and_store needs the fused kernel's table"
-        scales = {"k_scale": k_scale, "v_scale": v_scale}
         return triton_kernels().rotary_embedding_store(
-            self.rows, q, k, v, self.table, k_buffer, v_buffer, loc, **_norm_kwargs(q_norm, k_norm), **scales
-        )
+            self.rows, q, k, v, self.table, k_buffer, v_buffer, loc, **_norm_kwargs(q_norm, k_norm),
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
 
 
 def _norm_kwargs(q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> dict[str, Any]:

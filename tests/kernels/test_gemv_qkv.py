@@ -61,7 +61,8 @@ def test_fused_qkv_equals_gemv_then_rotary_then_store_kv(
     rope = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": 10000.0}, 4096)
     inputs = rope.kernel_inputs(torch.tensor([1234], device=device))
     loc = torch.tensor([3], dtype=torch.int32, device=device)
-    before = [torch.randn(SLOTS, num_kv, head_dim, generator=gen, device=device).to(pool_dtype or dtype) for _ in "kv"]
+    before = [torch.randn(SLOTS, num_kv, head_dim, generator=gen, device=device) for _ in range(2)]
+    before = [p.to(pool_dtype or dtype) for p in before]
     k_ref, v_ref, k_buf, v_buf = [p.clone() for p in before + before]
     assert fuses_qkv(heads, k_buf, x)
 
