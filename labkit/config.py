@@ -146,10 +146,11 @@ class EngineConfig:
         },
     )
     cuda_graph_max_prefill_tokens: int = field(
-        default=2048,
+        default=8192,
         metadata={
             "help": "extend (prefill, mixed) forwards of up to this many new tokens run from captured CUDA "
-            "graphs (CUDA with the triton backend, one rank); 0: extends always run eagerly"
+            "graphs (CUDA with the triton backend, one rank); 0: extends always run eagerly. The default "
+            "covers CUDA's 8192-token prefill chunks"
         },
     )
     disable_cuda_graph: bool = field(

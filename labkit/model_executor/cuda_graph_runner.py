@@ -174,7 +174,10 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Logits [n, vocab] (model dtype) of a DECODE batch of n <= max_bs requests (a copy)."""
+        """Logits [n, vocab] (model dtype) of a DECODE batch of n <= max_bs requests. From a graph they are
+        a view of its output buffer, valid until the next replay: the caller samples from them first
+        (on the same stream), and no copy of up to 78 MB a step is made (256 rows of a 151,936-token
+        vocabulary in bf16)."""
         fb, n = forward_batch, forward_batch.batch_size
         bs = self.padded_size(n)
         self.input_ids[:n].copy_(fb.input_ids)
@@ -200,4 +203,4 @@ class CudaGraphRunner:
             out = self._run_model(static)
         self.num_replays += 1
         self.num_padded_rows += bs - n
-        return self.gather_logits(out[:n]) if self.local_logits else out[:n].clone()
+        return self.gather_logits(out[:n]) if self.local_logits else out[:n]

@@ -389,7 +389,8 @@ class ModelRunner:
         """Next-token logits [batch_size, vocab] (model dtype) for the last token of every request.
         Decode batches up to the largest captured size, and extends of up to the prefill graphs'
         tokens, replay a CUDA graph (unless the trace records expert load: the graphs were captured
-        without it); the rest run eagerly."""
+        without it); the rest run eagerly. A decode graph's logits are valid until the next forward:
+        sample from them (or copy them) first."""
         if forward_batch.expert_load is None:
             for graphs in (self.cuda_graph_runner, self.prefill_graph_runner):
                 if graphs is not None and graphs.can_run(forward_batch):
