@@ -16,7 +16,20 @@ def test_a_variant_is_a_name_and_module_constants_as_literals():
     assert parse_variant("base") == Variant("base")
 
 
-@pytest.mark.parametrize("spec", [":a.B=1", "x:NOMODULE=1", "x:a.B", "x:a.B=not a literal"])
+def test_a_variant_value_may_be_a_dict_or_tuple_with_commas_of_its_own():
+    v = parse_variant(
+        "w:labkit.kernels.decode.FP8_ONE_WARP={'BLOCK_N': 16, 'num_warps': 1},"
+        "labkit.kernels.gemv.TALL_TILE=(4, 1024, 8),labkit.kernels.decode.FP8_PROGRAMS_PER_SM=8"
+    )
+    assert v.knobs == (
+        ("labkit.kernels.decode", "FP8_ONE_WARP", {"BLOCK_N": 16, "num_warps": 1}),
+        ("labkit.kernels.gemv", "TALL_TILE", (4, 1024, 8)),
+        ("labkit.kernels.decode", "FP8_PROGRAMS_PER_SM", 8),
+    )
+    assert parse_variant("s:a.B='x,y'").knobs == (("a", "B", "x,y"),)
+
+
+@pytest.mark.parametrize("spec", [":a.B=1", "x:NOMODULE=1", "x:a.B", "x:a.B=not a literal", "x:a.B={'k': 1"])
 def test_a_malformed_variant_is_refused(spec):
     with pytest.raises(ValueError):
         parse_variant(spec)

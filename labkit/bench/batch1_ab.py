@@ -8,8 +8,9 @@ same GPU. Separate runs are not comparable to a few percent: on one H200 the sam
         --variant split:labkit.kernels.gemv.SPLIT_UNDER_PDL=True
 
 A variant is a name and the module constants (module.NAME=value, comma-separated; values are Python
-literals) set while its engine is built and while it runs: a constant read when the CUDA graphs are
-captured is then in that engine's graphs, and one read at each launch is set for its runs too.
+literals, dicts and tuples included) set while its engine is built and while it runs: a constant read
+when the CUDA graphs are captured is then in that engine's graphs, and one read at each launch is set
+for its runs too.
 Every variant gets its own engine (random bf16 weights, CUDA graphs for batch 1), and every round
 times each once over offline_gpu's batch-1 request (512-token prompt, 256 output tokens), the order
 rotating from round to round; each run's line ends with the GPU's clocks and the host's load as it
@@ -40,13 +41,32 @@ class Variant:
     knobs: tuple[tuple[str, str, Any], ...] = ()  # (module, constant, value)
 
 
+def _top_level_items(text: str) -> list[str]:
+    """text cut at the commas outside brackets and quotes: a value may be a tuple or a dict."""
+    items, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return [*items, text[start:]]
+
+
 def parse_variant(spec: str) -> Variant:
-    """'name' or 'name:module.NAME=value,module.NAME=value' -> Variant."""
+    """'name' or 'name:module.NAME=value,module.NAME=value' -> Variant (a value may be any Python
+    literal, a dict or a tuple with its own commas included)."""
     name, _, rest = spec.partition(":")
     if not name:
         raise ValueError(f"a variant needs a name before its knobs, got {spec!r}")
     knobs = []
-    for item in filter(None, rest.split(",")):
+    for item in filter(None, _top_level_items(rest)):
         path, eq, value = item.partition("=")
         module, _, attr = path.rpartition(".")
         if not eq or not module or not attr:
