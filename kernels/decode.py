@@ -30,7 +30,9 @@ products run in float16: float8 converts to float16 in one instruction per pair 
 bfloat16 through a longer sequence; on an H200 (256 x 1024 tokens, 8 KV heads) the bfloat16 products
 took 0.27-0.28 ms a call, the float16 ones 0.23 ms (bf16 KV: 0.25 ms). Reading half the bytes, a
 float8 program has twice the tokens to multiply per byte, and 4 warps of them wait on each other's
-barriers; so a float8 pool's programs are one warp each (FP8_ONE_WARP), with more splits."""
+barriers; so a float8 pool's programs are one warp each (FP8_ONE_WARP), with more splits. From
+BALANCED_MIN_BATCH requests those programs take a balanced partition instead of splits: the batch's
+tokens in equal ranges, one program a range, all in one wave (kernels/decode_balanced.py)."""
 
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from labkit.kernels.decode_balanced import decode_balanced
+from labkit.kernels.decode_merge import store_split
 from labkit.kernels.flash import LOG2E, online_softmax_step, paged_block_step
 from labkit.kernels.pdl import pdl_options, pdl_wait
 from labkit.mem_cache.memory_pool import is_fp8
@@ -85,6 +89,13 @@ FP8_RESIDENT_PROGRAMS = 2
 FP8_ONE_WARP: dict[str, int] | None = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 5}
 FP8_ONE_WARP_RESIDENT = 10
 FP8_PROGRAMS_PER_SM = 12
+# The one-warp float8 programs take the balanced partition (kernels/decode_balanced.py) from
+# BALANCED_MIN_BATCH requests: on an H200 it read the offline run's float8 KV at 3.18 TB/s against 2.98
+# (2.43 s against 2.60, attention_replay), from 2.27 against 1.94 TB/s at 17-32 requests to 3.17 against
+# 3.14 at 225-256; at 1-16 it read 1.14 against 1.38 (docs/benchmarks.md). Read at each call (A/B).
+BALANCED = True
+BALANCED_MIN_BATCH = 17
+BALANCED_MAX_BATCH = 1024  # its programs hold the batch's lengths in registers
 
 
 def stage1_config(head_dim: int, kv_bytes: int = 2, shared_memory: int = 0) -> dict[str, int]:
@@ -107,6 +118,19 @@ def stage1_config(head_dim: int, kv_bytes: int = 2, shared_memory: int = 0) -> d
 def one_warp(kv_bytes: int, head_dim: int) -> bool:
     """Whether stage 1 runs FP8_ONE_WARP's one-warp programs: a float8 pool, head dim up to 128."""
     return kv_bytes == 1 and head_dim <= 128 and FP8_ONE_WARP is not None
+
+
+def balanced(batch: int, kv_bytes: int, head_dim: int) -> bool:
+    """Whether decode_attention runs a batch over the balanced partition (kernels/decode_balanced.py):
+    one-warp programs (one_warp), BALANCED_MIN_BATCH to BALANCED_MAX_BATCH requests, BALANCED on."""
+    return BALANCED and one_warp(kv_bytes, head_dim) and BALANCED_MIN_BATCH <= batch <= BALANCED_MAX_BATCH
+
+
+def decode_workspace_splits(batch: int, bound: int, kv_bytes: int = 2, head_dim: int = 128) -> int:
+    """Split room per (request, query head) of decode_attention's workspace (mid_o, mid_lse) for a
+    batch whose split bound is `bound` (decode_kv_splits): the bound, or DEFAULT_MAX_KV_SPLITS where the
+    balanced partition runs (its ranges cut a request in up to that many pieces; semaphores then too)."""
+    return max(bound, DEFAULT_MAX_KV_SPLITS) if balanced(batch, kv_bytes, head_dim) else bound
 
 
 @triton.jit
@@ -235,47 +259,12 @@ def _decode_stage1_kernel(
             DOT_PRECISION,
         )
 
-    nonempty = end > start
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    part = tl.where(nonempty, acc / l_safe[:, None], 0.0) * v_scale
-    if ONE_SPLIT:
-        tl.store(
-            O + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
-            part.to(O.dtype.element_ty),
-            mask=mask_h[:, None] & mask_d[None, :],
-        )
-    else:
-        lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(
-            Mid_o + b * stride_mob + offs_h[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
-            part,
-            mask=mask_h[:, None] & mask_d[None, :],
-        )
-        tl.store(Mid_lse + b * stride_mlb + offs_h * stride_mlh + split, lse, mask=mask_h)
-        # The last split of this (request, head block) to arrive merges them all (the semaphore
-        # counts arrivals; acq_rel makes the others' partials visible) and leaves it at zero.
-        tl.debug_barrier()  # every thread's partial is written before the count goes up
-        semaphore = Semaphores + b * tl.num_programs(0) + tl.program_id(0)
-        if tl.atomic_add(semaphore, 1) == num_splits - 1:
-            tl.store(semaphore, 0)
-            _merge_splits(
-                Mid_o + b * stride_mob,
-                Mid_lse + b * stride_mlb,
-                num_splits,
-                O + b * stride_ob,
-                kv_head * GROUP,
-                (tl.program_id(0) % HEAD_BLOCKS) * BLOCK_H,
-                stride_moh,
-                stride_mos,
-                stride_mlh,
-                stride_oh,
-                GROUP,
-                HEAD_DIM,
-                BLOCK_D,
-                MERGE_H,
-                MERGE_S,
-                MERGE_HEADS,
-            )
+    store_split(
+        acc, l_i, m_i, end > start, ONE_SPLIT, b, split, num_splits, O, Mid_o, Mid_lse, Semaphores, v_scale,
+        offs_h, offs_d, mask_h, mask_d, kv_head, stride_mob, stride_moh, stride_mos, stride_mlb,
+        stride_mlh, stride_ob, stride_oh, GROUP, HEAD_BLOCKS, HEAD_DIM, BLOCK_H, BLOCK_D, MERGE_H, MERGE_S,
+        MERGE_HEADS,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -289,59 +278,6 @@ def _kv_rows(
     k = tl.load(k_ptrs, mask=mask, other=k_other, cache_modifier=".cg")
     v = tl.load(v_ptrs, mask=mask, other=v_other, cache_modifier=".cg")
     return k, v
-
-
-@triton.jit
-def _merge_splits(
-    Mid_o,
-    Mid_lse,
-    num_splits,
-    O,
-    head0,  # the KV head's first query head
-    g0,  # this program's first head in the group
-    stride_moh,
-    stride_mos,
-    stride_mlh,
-    stride_oh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MERGE_H: tl.constexpr,
-    MERGE_S: tl.constexpr,
-    MERGE_HEADS: tl.constexpr,
-):
-    """Query heads g0 .. g0 + MERGE_HEADS of the group from their splits' partials: MERGE_H heads at a
-    time, every split's partial loaded at once ([MERGE_H, MERGE_S, D]: one round trip to memory,
-    not one per split) and summed in a fixed order. The loads skip L1: other multiprocessors wrote
-    them during this launch."""
-    offs_s = tl.arange(0, MERGE_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_sd = (offs_s < num_splits)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    for c in tl.static_range(0, MERGE_HEADS, MERGE_H):
-        offs_g = g0 + c + tl.arange(0, MERGE_H)
-        mask_h = offs_g < GROUP
-        offs_h = head0 + offs_g
-        lse = tl.load(
-            Mid_lse + offs_h[:, None] * stride_mlh + offs_s[None, :],
-            mask=mask_h[:, None] & (offs_s < num_splits)[None, :],
-            other=float("-inf"),
-            cache_modifier=".cg",
-        )
-        part = tl.load(
-            Mid_o + offs_h[:, None, None] * stride_moh + offs_s[None, :, None] * stride_mos + offs_d[None, None, :],
-            mask=mask_h[:, None, None] & mask_sd[None, :, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        m = tl.max(lse, 1)  # empty splits have lse -inf (and a zero partial): weight 0
-        w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[:, None])
-        l_sum = tl.sum(w, 1)
-        out = tl.sum(w[:, :, None] * part, 1) / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-        tl.store(
-            O + offs_h[:, None] * stride_oh + offs_d[None, :],
-            out.to(O.dtype.element_ty),
-            mask=mask_h[:, None] & (offs_d < HEAD_DIM)[None, :],
-        )
 
 
 def head_block(group: int) -> int:
@@ -411,7 +347,8 @@ def decode_order(
 ) -> torch.Tensor | None:
     """decode_attention's `order` for this batch: [B] int32, its rows from the longest KV to the
     shortest (ties in batch order), computed on seq_lens' device (no host sync); None (batch order)
-    where stage 1's grid fits the device at once or LONGEST_FIRST is off.
+    where stage 1's grid fits the device at once, the balanced partition runs (its programs are
+    equal) or LONGEST_FIRST is off.
 
     A step's attention lasts until its last program ends. When the programs come in several waves,
     launching the longest first leaves the shortest for the end (longest-processing-time-first). When
@@ -421,7 +358,7 @@ def decode_order(
     # decode_semaphore_count: one per (request, KV head, head block), a split's programs
     programs = decode_semaphore_count(seq_lens.shape[0], num_heads, num_kv_heads) * max_kv_splits
     resident = resident_programs(kv_bytes, head_dim)
-    if not LONGEST_FIRST or programs <= resident * device_sms:
+    if not LONGEST_FIRST or programs <= resident * device_sms or balanced(seq_lens.shape[0], kv_bytes, head_dim):
         return None
     return longest_first(seq_lens)
 
@@ -477,7 +414,11 @@ def decode_attention(
     the K/V rows before seq_len - 1 ahead of its PDL wait, so only q and the new token's row, which
     the kernel ahead writes, come after it; the outputs are the same either way.
     order: [B] int32, a permutation of the batch (decode_order's): the requests' programs launch in
-    that order instead of the batch's; the outputs are the same either way."""
+    that order instead of the batch's; the outputs are the same either way.
+    A batch `balanced` accepts runs over the balanced partition (kernels/decode_balanced.py) unless
+    prefetching or given a workspace with room for one split: num_kv_splits and order are then not
+    read, the semaphores are used whatever max_kv_splits, and a workspace allocated here has
+    decode_workspace_splits' room."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     assert num_heads % num_kv_heads == 0 and k_buffer.shape[2] == head_dim
@@ -493,11 +434,16 @@ def decode_attention(
             seq_lens, num_heads, num_kv_heads, num_sms(q.device), max_kv_splits,
             kv_bytes=k_buffer.element_size(), head_dim=head_dim,
         )  # fmt: skip
+    prefetch = batch <= PREFETCH_MAX_BATCH if prefetch is None else prefetch
+    room = max_kv_splits if mid_o is None else mid_o.shape[2]
+    use_balanced = balanced(batch, k_buffer.element_size(), head_dim) and not prefetch and (mid_o is None or room >= 2)
+    if use_balanced:
+        room = decode_workspace_splits(batch, room, k_buffer.element_size(), head_dim)
     if mid_o is None:
-        mid_o = torch.empty(batch, num_heads, max_kv_splits, head_dim, dtype=torch.float32, device=q.device)
+        mid_o = torch.empty(batch, num_heads, room, head_dim, dtype=torch.float32, device=q.device)
     if mid_lse is None:
-        mid_lse = torch.empty(batch, num_heads, max_kv_splits, dtype=torch.float32, device=q.device)
-    one_split = max_kv_splits == 1
+        mid_lse = torch.empty(batch, num_heads, room, dtype=torch.float32, device=q.device)
+    one_split = max_kv_splits == 1 and not use_balanced
     count = decode_semaphore_count(batch, num_heads, num_kv_heads)
     if one_split:  # no merge, nothing to count
         semaphores = None
@@ -509,15 +455,35 @@ def decode_attention(
 
     group = num_heads // num_kv_heads
     block_h = head_block(group)
-    head_blocks = triton.cdiv(group, block_h)
     block_d = triton.next_power_of_2(head_dim)
-    merge_s = triton.next_power_of_2(max_kv_splits)
     config = stage1_config(head_dim, k_buffer.element_size(), shared_memory_per_block(q.device))
-    merge_tile = MERGE_FLOATS_PER_THREAD * 32 * config["num_warps"]
-    merge_h = min(block_h, triton.next_power_of_2(group), max(1, merge_tile // (merge_s * block_d)))
     if not is_fp8(k_buffer.dtype):
         k_scale = v_scale = 1.0
-    _decode_stage1_kernel[(num_kv_heads * head_blocks, batch, max_kv_splits)](
+    constexprs = dict(
+        GROUP=group,
+        HEAD_BLOCKS=triton.cdiv(group, block_h),
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        MERGE_HEADS=min(block_h, group),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP16_DOT=is_fp8(k_buffer.dtype) and q.dtype != torch.float32,
+        **config,
+        **pdl_options(q.device, batch),
+    )
+    qk_scale = sm_scale * LOG2E * k_scale
+    if use_balanced:
+        assert semaphores is not None
+        guess = resident_programs(k_buffer.element_size(), head_dim)
+        decode_balanced(
+            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out, mid_o, mid_lse, semaphores,
+            qk_scale, v_scale, num_sms(q.device), guess, MIN_TOKENS_PER_SPLIT, constexprs,
+        )  # fmt: skip
+        return out
+    merge_s = triton.next_power_of_2(max_kv_splits)
+    merge_tile = MERGE_FLOATS_PER_THREAD * 32 * config["num_warps"]
+    merge_h = min(block_h, triton.next_power_of_2(group), max(1, merge_tile // (merge_s * block_d)))
+    _decode_stage1_kernel[(num_kv_heads * constexprs["HEAD_BLOCKS"], batch, max_kv_splits)](
         q,
         k_buffer,
         v_buffer,
@@ -530,7 +496,7 @@ def decode_attention(
         mid_lse,
         semaphores if semaphores is not None else num_kv_splits,  # never touched with one split
         out,
-        sm_scale * LOG2E * k_scale,
+        qk_scale,
         v_scale,
         q.stride(0),
         q.stride(1),
@@ -546,20 +512,11 @@ def decode_attention(
         mid_lse.stride(1),
         out.stride(0),
         out.stride(1),
-        GROUP=group,
-        HEAD_BLOCKS=head_blocks,
-        HEAD_DIM=head_dim,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
         MERGE_H=merge_h,
         MERGE_S=merge_s,
-        MERGE_HEADS=min(block_h, group),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FP16_DOT=is_fp8(k_buffer.dtype) and q.dtype != torch.float32,
         ONE_SPLIT=one_split,
         ORDERED=order is not None,
-        PREFETCH=batch <= PREFETCH_MAX_BATCH if prefetch is None else prefetch,
-        **config,
-        **pdl_options(q.device, batch),
+        PREFETCH=prefetch,
+        **constexprs,
     )
     return out

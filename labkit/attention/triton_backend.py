@@ -32,6 +32,7 @@ from labkit.kernels.decode import (
     decode_kv_splits,
     decode_order,
     decode_semaphore_count,
+    decode_workspace_splits,
     longest_first,
     num_sms,
 )
@@ -54,8 +55,8 @@ class _ExtendMetadata:
 class _DecodeMetadata:
     num_kv_splits: torch.Tensor  # [bs] int32
     max_kv_splits: int  # their bound (the grid's split axis)
-    mid_o: torch.Tensor  # [bs, H, max_kv_splits, D] float32 workspace
-    mid_lse: torch.Tensor  # [bs, H, max_kv_splits] float32 workspace
+    mid_o: torch.Tensor  # [bs, H, decode_workspace_splits, D] float32 workspace
+    mid_lse: torch.Tensor  # [bs, H, decode_workspace_splits] float32 workspace
     semaphores: torch.Tensor | None  # int32 zeros left zero by every layer; None: one split, no merge
     order: torch.Tensor | None  # [bs] int32, longest request first (decode_order); None: batch order
 
@@ -119,9 +120,10 @@ class TritonAttnBackend(AttentionBackend):
     def _decode_metadata(self, fb: ForwardBatch) -> _DecodeMetadata:
         c, bs = self.config, fb.batch_size
         splits, bound = self._splits(fb)
-        mid_o = torch.empty(bs, c.num_heads, bound, c.head_dim, dtype=torch.float32, device=self.device)
-        mid_lse = torch.empty(bs, c.num_heads, bound, dtype=torch.float32, device=self.device)
-        semaphores = self._semaphores(bs) if bound > 1 else None
+        room = decode_workspace_splits(bs, bound, fb.token_to_kv_pool.dtype.itemsize, c.head_dim)
+        mid_o = torch.empty(bs, c.num_heads, room, c.head_dim, dtype=torch.float32, device=self.device)
+        mid_lse = torch.empty(bs, c.num_heads, room, dtype=torch.float32, device=self.device)
+        semaphores = self._semaphores(bs) if room > 1 else None
         return _DecodeMetadata(splits, bound, mid_o, mid_lse, semaphores, self._order(fb, bound))
 
     def _splits(self, fb: ForwardBatch) -> tuple[torch.Tensor, int]:

@@ -30,7 +30,7 @@ from labkit.bench import offline_gpu
 from labkit.bench.batch1_ab import applied, parse_variants
 from labkit.bench.kernels_report import config_shape, time_ms
 from labkit.kernels import decode_attention, decode_kv_splits
-from labkit.kernels.decode import DEFAULT_MAX_KV_SPLITS, decode_order, num_sms
+from labkit.kernels.decode import DEFAULT_MAX_KV_SPLITS, decode_order, decode_semaphore_count, num_sms
 from labkit.mem_cache.memory_pool import kv_cache_dtype
 
 # A bucket holds the batches up to its edge (and above the last).
@@ -93,13 +93,17 @@ def replay(args, shape, layers: int, dtype: torch.dtype, prompt_lens: list[int],
         q = torch.randn(len(lens), h, d, device=device, dtype=q_dtype)
         splits, bound = decode_kv_splits(seq, h, h_kv, sms, DEFAULT_MAX_KV_SPLITS, kv_bytes=kv_bytes, head_dim=d)
         order = decode_order(seq, h, h_kv, bound, sms, kv_bytes, d)
-        mid_o = torch.empty(len(lens), h, bound, d, dtype=torch.float32, device=device)
-        mid_lse = torch.empty(len(lens), h, bound, dtype=torch.float32, device=device)
+        # The workspace and semaphores as the backend's CUDA graphs hold them: every split's room.
+        mid_o = torch.empty(len(lens), h, DEFAULT_MAX_KV_SPLITS, d, dtype=torch.float32, device=device)
+        mid_lse = torch.empty(len(lens), h, DEFAULT_MAX_KV_SPLITS, dtype=torch.float32, device=device)
+        sems = torch.zeros(decode_semaphore_count(len(lens), h, h_kv), dtype=torch.int32, device=device)
 
-        def call(q=q, seq=seq, rows=rows, splits=splits, bound=bound, order=order, mid_o=mid_o, mid_lse=mid_lse):
+        def call(
+            q=q, seq=seq, rows=rows, splits=splits, bound=bound, order=order, mid_o=mid_o, mid_lse=mid_lse, sems=sems
+        ):
             return decode_attention(
-                q, k_buf, v_buf, req_to_token, rows, seq, d**-0.5,
-                num_kv_splits=splits, max_kv_splits=bound, mid_o=mid_o, mid_lse=mid_lse, order=order,
+                q, k_buf, v_buf, req_to_token, rows, seq, d**-0.5, num_kv_splits=splits, max_kv_splits=bound,
+                mid_o=mid_o, mid_lse=mid_lse, order=order, semaphores=sems,
             )  # fmt: skip
 
         counted = min(args.every, len(steps) - t)  # this step stands for the ones up to the next timed one

@@ -15,6 +15,7 @@ import torch
 from labkit.attention import AttentionLayerSpec
 from labkit.attention.torch_native import TorchNativeAttnBackend
 from labkit.kernels import ExtendPlan, decode_attention, extend_attention, store_kv
+from labkit.kernels.decode import BALANCED_MIN_BATCH, balanced
 from labkit.kernels.extend import extend_blocks
 from labkit.kernels.reference import reference_decode_attention, reference_extend_attention, reference_store_kv
 from labkit.mem_cache.memory_pool import TokenToKVPool, quantize_kv
@@ -91,6 +92,26 @@ def test_decode_on_fp8_pool_matches_reference(shape, fp8, dtype, device, gen, pa
         check_close(out, ref, dtype)
     unrounded = reference_decode_attention(q, k, v, req_to_token, rows, seq, scale)
     assert _relative_error(out, unrounded) < QUANTIZATION_ERROR[fp8]
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=_fp8_ids)
+@pytest.mark.parametrize("batch", [BALANCED_MIN_BATCH, 130])
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] <= 128], ids=_shape_id)
+def test_decode_on_fp8_pool_over_the_balanced_partition_matches_reference(
+    shape, batch, fp8, dtype, device, gen, paged_kv, check_close
+):
+    """Batches the one-warp programs take over the balanced partition (kernels/decode_balanced.py),
+    ragged lengths up to 2000 tokens, at the device's own occupancy: the dequantized reference."""
+    num_heads, _, head_dim, _ = shape
+    seq_lens = torch.randint(1, 2001, (batch,), generator=gen, device=device).tolist()
+    _, _, k8, v8, req_to_token, rows = _fp8_pool(seq_lens, shape, fp8, gen, paged_kv)
+    q = torch.randn(batch, num_heads, head_dim, generator=gen, device=device).to(dtype)
+    seq = torch.tensor(seq_lens, device=device)
+    assert balanced(batch, 1, head_dim)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, k8, v8, req_to_token, rows, seq, head_dim**-0.5, out=out, k_scale=K_SCALE, v_scale=V_SCALE)
+    ref = reference_decode_attention(q, k8, v8, req_to_token, rows, seq, head_dim**-0.5, K_SCALE, V_SCALE)
+    check_close(out, ref, dtype)
 
 
 @pytest.mark.parametrize("fp8", FP8, ids=_fp8_ids)
