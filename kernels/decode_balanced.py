@@ -14,7 +14,9 @@ The number of programs is the device's occupancy for the compiled kernel (the CU
 cuOccupancyMaxActiveBlocksPerMultiprocessor: registers, shared memory and threads), read at its first
 launch, times the multiprocessors. A launch beyond it would start a second wave of equal programs:
 on an H200, the float8 one-warp kernel (255 registers, 8 a multiprocessor) took the offline run's
-attention from 2.43 s with 8 to 3.63 with 10 (docs/benchmarks.md).
+attention from 2.43 s with 8 to 3.63 with 10 (docs/benchmarks.md). The loop over a range's requests
+is what costs those registers: without it (one request a program) ptxas gives the same code 168, as
+the split kernel, which holds 10.
 
 Programs compute chunk and their first request from seq_lens themselves (a cumulative sum over the
 batch, held in registers: at most decode.BALANCED_MAX_BATCH requests), so a CUDA graph replays the
@@ -92,7 +94,7 @@ def _decode_balanced_kernel(
             acc, l_i, m_i, end > start, num_splits == 1, b, tl.program_id(1) - first, num_splits, O, Mid_o,
             Mid_lse, Semaphores, v_scale, offs_h, offs_d, mask_h, mask_d, kv_head, stride_mob, stride_moh,
             stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, GROUP, HEAD_BLOCKS, HEAD_DIM, BLOCK_H,
-            BLOCK_D, MERGE_H, MERGE_S, MERGE_HEADS, True,  # streamed: the merge inside the loop costs no registers
+            BLOCK_D, MERGE_H, MERGE_S, MERGE_HEADS, True,  # streamed: 155 registers against 194 (bf16 pool)
         )  # fmt: skip
         lo = begin + end
         begin += seq_len

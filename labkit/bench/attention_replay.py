@@ -10,9 +10,10 @@ Every request of the workload is taken to start decoding at step 0: at decode st
 with more than t + 1 output tokens are in the batch, request i with its prompt + t + 1 tokens of KV
 (the engine's first output token comes from prefill). Every `--every`-th step is one decode_attention
 call over K/V in random slots of a pool of the KV dtype, split and ordered as the engine's triton
-backend does (decode_kv_splits, decode_order), timed as CUDA-graph replays on a GPU (wall clock on
-the CPU, where the kernels are interpreted) and counted `--every` steps x the model's layers. Variants
-are batch1_ab's: a name and module constants set while it runs.
+backend does (decode_kv_splits, decode_order; its CUDA graphs' workspace, with room for
+DEFAULT_MAX_KV_SPLITS splits, so batches the balanced partition takes run it), timed as CUDA-graph
+replays on a GPU (wall clock on the CPU, where the kernels are interpreted) and counted `--every`
+steps x the model's layers. Variants are batch1_ab's: a name and module constants set while it runs.
 
 Reported per variant: the run's attention seconds and TB/s of KV read, and the same by batch size.
 (The engine's run staggers its requests' starts over its prefill steps; on an H200 this replay's
