@@ -45,7 +45,7 @@ import triton.language as tl
 
 from labkit.kernels.decode_balanced import decode_balanced
 from labkit.kernels.decode_merge import store_split
-from labkit.kernels.flash import LOG2E, online_softmax_step, paged_block_step
+from labkit.kernels.flash import LOG2E, load_query, online_softmax_step, paged_block_step
 from labkit.kernels.pdl import pdl_options, pdl_wait
 from labkit.mem_cache.memory_pool import is_fp8
 
@@ -220,16 +220,9 @@ def _decode_stage1_kernel(
         new = (first & (offs_first == seq_len - 1))[:, None] & mask_d[None, :]  # the new token's row, if here
         k_first, v_first = _kv_rows(K_buf, V_buf, slots, new, kv_head, offs_d, *strides, k_first, v_first)
 
-    q = tl.load(
-        Q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :],
-        other=0.0,
+    q, m_i, l_i, acc = load_query(
+        Q, b, stride_qb, stride_qh, offs_h, offs_d, mask_h, mask_d, FP16_DOT, BLOCK_H, BLOCK_D
     )
-    if FP16_DOT:
-        q = q.to(tl.float16)
-    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: online_softmax_step's contract
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     rest = start
     if PREFETCH:
         s = tl.dot(q, tl.trans(k_first.to(q.dtype)), input_precision=DOT_PRECISION)

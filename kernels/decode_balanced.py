@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from labkit.kernels.decode_merge import store_split
-from labkit.kernels.flash import paged_block_step
+from labkit.kernels.flash import load_query, paged_block_step
 from labkit.kernels.pdl import pdl_wait
 
 
@@ -72,16 +72,9 @@ def _decode_balanced_kernel(
         start = lo - begin
         end = tl.minimum(hi - begin, seq_len)
         req_row = Req_to_token + tl.load(Req_pool_indices + b).to(tl.int64) * stride_r2t
-        q = tl.load(
-            Q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
-            mask=mask_h[:, None] & mask_d[None, :],
-            other=0.0,
+        q, m_i, l_i, acc = load_query(
+            Q, b, stride_qb, stride_qh, offs_h, offs_d, mask_h, mask_d, FP16_DOT, BLOCK_H, BLOCK_D
         )
-        if FP16_DOT:
-            q = q.to(tl.float16)
-        m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             m_i, l_i, acc = paged_block_step(

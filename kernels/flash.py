@@ -24,6 +24,24 @@ def online_softmax_step(s, v, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constex
 
 
 @triton.jit
+def load_query(
+    Q, b, stride_qb, stride_qh, offs_h, offs_d, mask_h, mask_d,
+    FP16_DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Request b's query rows offs_h [BLOCK_H, BLOCK_D] (in float16 for FP16_DOT: a float8 pool's
+    products) and an empty online-softmax state (m, l, acc) to fold its KV blocks into."""
+    q = tl.load(
+        Q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    if FP16_DOT:
+        q = q.to(tl.float16)
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite: online_softmax_step's contract
+    return q, m_i, tl.zeros([BLOCK_H], tl.float32), tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+
+
+@triton.jit
 def paged_block_step(
     q,
     m_i,
