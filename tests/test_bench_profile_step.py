@@ -27,6 +27,7 @@ def _triton_kernel_names() -> set[str]:
         ("_decode_stage2_kernel", "attention, decode"),
         ("_extend_kernel", "attention, extend"),
         ("_store_kv_kernel", "kv store"),
+        ("_decode_balanced_kernel", "attention, decode"),
         ("_rmsnorm_kernel", "rmsnorm"),
         ("_rope_kernel", "rotary (+ q/k norm)"),
         ("_silu_and_mul_kernel", "silu_and_mul"),

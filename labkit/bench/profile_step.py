@@ -34,7 +34,7 @@ GROUPS = [
     ("MoE experts (fused_moe)", r"_moe_gemm|_moe_sum"),
     ("MoE token alignment", r"_moe_align"),
     ("matmul", r"gemm|nvjet|cutlass|xmma|splitK|cublas|_gemv"),
-    ("attention, decode", r"_decode_stage|BatchDecode"),
+    ("attention, decode", r"_decode_stage|_decode_balanced|BatchDecode"),
     ("attention, extend", r"_extend_kernel|BatchPrefill"),
     ("kv store", r"_store_kv"),
     ("rmsnorm", r"rmsnorm|rms_norm"),
