@@ -186,6 +186,11 @@ def test_cuda_backends_agree_on_greedy_outputs_in_bfloat16(checkpoint, variant):
     _check_flips_only_at_near_ties(outs["torch_native"], outs[variant], 0.1)
 
 
+def _first_difference(a: list[int], b: list[int]) -> int:
+    """The first index where a and b differ (the shorter length if one is the other's prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _check_flips_only_at_near_ties(reference: list[dict], other: list[dict], max_gap: float) -> None:
     """Not every request differs, and each that does first differs where the reference's top two
     logprobs are within max_gap (outputs with top_logprobs_num >= 2)."""
@@ -194,8 +199,7 @@ def _check_flips_only_at_near_ties(reference: list[dict], other: list[dict], max
         a, b = ref["output_ids"], out["output_ids"]
         if a == b:
             continue
-        d = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-        (top1, _), (top2, _) = ref["meta_info"]["output_top_logprobs"][d]
+        (top1, _), (top2, _) = ref["meta_info"]["output_top_logprobs"][_first_difference(a, b)]
         gaps.append(top1 - top2)
     assert len(gaps) < len(reference), "every request differs"
     assert all(g < max_gap for g in gaps), f"differences at top-2 logprob gaps {gaps}"
@@ -206,7 +210,7 @@ def test_float8_pool_decodes_the_same_over_the_balanced_partition(checkpoint, mo
     """24 requests on a float8 pool, from CUDA graphs: the one-warp programs' decode over the balanced
     partition (kernels/decode_balanced.py, from BALANCED_MIN_BATCH requests) against the split kernel
     (BALANCED off). Both read the same float8 K/V; only the order of the float32 sums differs, so
-    the greedy tokens agree up to near-ties and their logprobs to float32 noise."""
+    the greedy tokens agree up to near-ties and their logprobs to the bf16 model's noise."""
     if "moe" in checkpoint.name:
         pytest.skip("expert routing amplifies rounding differences")
     prompts = [[5 + (37 * i + 11 * j) % 240 for j in range(20 + 13 * i)] for i in range(24)]
@@ -221,8 +225,7 @@ def test_float8_pool_decodes_the_same_over_the_balanced_partition(checkpoint, mo
         outs[on] = engine.generate(input_ids=prompts, sampling_params=params)
     _check_flips_only_at_near_ties(outs[False], outs[True], 0.1)
     for ref, out in zip(outs[False], outs[True]):  # up to the first difference: bf16 noise (0.15 above)
-        a, b = ref["output_ids"], out["output_ids"]
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        same = _first_difference(ref["output_ids"], out["output_ids"])
         lps = [lp for lp, _ in ref["meta_info"]["output_token_logprobs"][:same]]
         got = [lp for lp, _ in out["meta_info"]["output_token_logprobs"][:same]]
         assert got == pytest.approx(lps, abs=0.15)
