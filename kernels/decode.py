@@ -422,14 +422,15 @@ def decode_attention(
         return out
     if batch > MAX_GRID_Y:
         raise ValueError(f"decode_attention takes at most {MAX_GRID_Y} requests a call, got {batch}")
-    if num_kv_splits is None:
+    prefetch = batch <= PREFETCH_MAX_BATCH if prefetch is None else prefetch
+    use_balanced = balanced(batch, k_buffer.element_size(), head_dim) and not prefetch
+    use_balanced = use_balanced and (mid_o is None or mid_o.shape[2] >= 2)
+    if num_kv_splits is None and not use_balanced:  # the balanced partition reads no split counts
         num_kv_splits, max_kv_splits = decode_kv_splits(
             seq_lens, num_heads, num_kv_heads, num_sms(q.device), max_kv_splits,
             kv_bytes=k_buffer.element_size(), head_dim=head_dim,
         )  # fmt: skip
-    prefetch = batch <= PREFETCH_MAX_BATCH if prefetch is None else prefetch
     room = max_kv_splits if mid_o is None else mid_o.shape[2]
-    use_balanced = balanced(batch, k_buffer.element_size(), head_dim) and not prefetch and (mid_o is None or room >= 2)
     if use_balanced:
         room = decode_workspace_splits(batch, room, k_buffer.element_size(), head_dim)
     if mid_o is None:
@@ -473,6 +474,7 @@ def decode_attention(
             qk_scale, v_scale, num_sms(q.device), guess, MIN_TOKENS_PER_SPLIT, constexprs,
         )  # fmt: skip
         return out
+    assert num_kv_splits is not None
     merge_s = triton.next_power_of_2(max_kv_splits)
     merge_tile = MERGE_FLOATS_PER_THREAD * 32 * config["num_warps"]
     merge_h = min(block_h, triton.next_power_of_2(group), max(1, merge_tile // (merge_s * block_d)))

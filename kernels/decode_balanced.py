@@ -95,7 +95,7 @@ def _decode_balanced_kernel(
 
 
 # Programs a multiprocessor holds, per compiled variant (device, dtypes, constexprs): the driver's
-# occupancy, read after the variant's first launch.
+# occupancy, asked before the variant's first launch.
 _PROGRAMS_PER_SM: dict[tuple, int] = {}
 
 
@@ -108,6 +108,8 @@ def multiprocessor_occupancy(compiled: Any) -> int | None:
     """Programs of a launched Triton kernel that one multiprocessor holds at once (the CUDA driver's
     cuOccupancyMaxActiveBlocksPerMultiprocessor for its registers, shared memory and threads); None
     where that cannot be asked (no driver, the interpreter)."""
+    if getattr(compiled, "function", None) is None and hasattr(compiled, "_init_handles"):
+        compiled._init_handles()  # a warmed-up kernel loads its binary at its first launch otherwise
     function = getattr(compiled, "function", None)
     if function is None:
         return None
@@ -146,7 +148,7 @@ def decode_balanced(
     """Stage 1 and the merge over the balanced partition, into out (decode_attention's arguments;
     mid_o / mid_lse with room for at least 2 splits, their room bounding a request's ranges;
     constexprs: the split kernel's shared ones, GROUP to PDL). guess_per_sm: the programs a
-    multiprocessor holds until the driver has said (the first launch of a variant)."""
+    multiprocessor holds where the driver cannot say (no driver, the interpreter)."""
     batch, heads = q.shape[0], k_buffer.shape[1] * constexprs["HEAD_BLOCKS"]
     max_splits = mid_o.shape[2]
     constexprs = dict(
@@ -157,14 +159,16 @@ def decode_balanced(
         MERGE_H=min(constexprs["BLOCK_H"], triton.next_power_of_2(constexprs["GROUP"])),
         MERGE_S=triton.next_power_of_2(max_splits),
     )
-    key = (q.device, q.dtype, k_buffer.dtype, out.dtype, tuple(sorted(constexprs.items())))
-    programs = max(1, _PROGRAMS_PER_SM.get(key, guess_per_sm) * device_sms // heads)
-    compiled = _decode_balanced_kernel[(heads, programs)](
+    args = (
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, semaphores, out,
         qk_scale, v_scale, batch, q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1),
-        mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), **constexprs,
+        mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
     )  # fmt: skip
-    if key not in _PROGRAMS_PER_SM:
+    key = (q.device, q.dtype, k_buffer.dtype, out.dtype, tuple(sorted(constexprs.items())))
+    if key not in _PROGRAMS_PER_SM:  # asked before the first launch: every launch then cuts the same ranges
+        compiled = _decode_balanced_kernel.warmup(*args, grid=(heads, 1), **constexprs) if q.is_cuda else None
         occupancy = multiprocessor_occupancy(compiled)
         _PROGRAMS_PER_SM[key] = occupancy if occupancy is not None else guess_per_sm
+    programs = max(1, _PROGRAMS_PER_SM[key] * device_sms // heads)
+    _decode_balanced_kernel[(heads, programs)](*args, **constexprs)

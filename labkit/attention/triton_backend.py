@@ -28,6 +28,7 @@ from labkit.attention.base import (
 )
 from labkit.kernels.decode import (
     DEFAULT_MAX_KV_SPLITS,
+    balanced,
     decode_attention,
     decode_kv_splits,
     decode_order,
@@ -164,20 +165,19 @@ class TritonAttnBackend(AttentionBackend):
             torch.arange(max_bs, dtype=torch.int32, device=self.device),
         )
 
-    def _graph_splits(self, fb: ForwardBatch) -> tuple[_GraphBuffers, torch.Tensor, int]:
+    def _graph_buffers(self, fb: ForwardBatch) -> _GraphBuffers:
         max_bs = 0 if self.graph is None else self.graph.num_kv_splits.shape[0]
         if self.graph is None or not 0 < fb.batch_size <= max_bs:
             raise ValueError(
                 f"batch of {fb.batch_size} outside the CUDA graph buffers (1..{max_bs}); "
                 "was init_cuda_graph_state called?"
             )
-        # The bound comes from the (padded) batch size alone, so it is the same at every replay.
-        splits, bound = self._splits(fb)
-        return self.graph, splits, bound
+        return self.graph
 
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        bs = forward_batch.batch_size
-        graph, splits, bound = self._graph_splits(forward_batch)
+        bs, graph = forward_batch.batch_size, self._graph_buffers(forward_batch)
+        # The bound comes from the (padded) batch size alone, so it is the same at every replay.
+        splits, bound = self._splits(forward_batch)
         graph.num_kv_splits[:bs].copy_(splits)  # valid counts for the warm-up forwards too
         order = self._order(forward_batch, bound)  # fixed at capture: does this graph take an order
         if order is not None:
@@ -194,11 +194,13 @@ class TritonAttnBackend(AttentionBackend):
         )
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        graph, splits, _ = self._graph_splits(forward_batch)
-        bs = forward_batch.batch_size
-        graph.num_kv_splits[:bs].copy_(splits)
+        fb, graph = forward_batch, self._graph_buffers(forward_batch)
+        bs, kv_bytes = fb.batch_size, fb.token_to_kv_pool.dtype.itemsize
+        if balanced(bs, kv_bytes, self.config.head_dim):  # the balanced partition reads no split counts
+            return
+        graph.num_kv_splits[:bs].copy_(self._splits(fb)[0])
         if bs in graph.ordered:  # as captured, whatever decode_order would say now
-            graph.order[:bs].copy_(longest_first(forward_batch.seq_lens))
+            graph.order[:bs].copy_(longest_first(fb.seq_lens))
 
     # ---- prefill CUDA graphs ----------------------------------------------------------------
     def init_prefill_graph_state(self, max_tokens: int, max_rows: int) -> None:

@@ -15,6 +15,7 @@ import torch
 from labkit.attention import AttentionLayerSpec
 from labkit.attention.torch_native import TorchNativeAttnBackend
 from labkit.kernels import ExtendPlan, decode_attention, extend_attention, store_kv
+from labkit.kernels import decode_balanced as decode_balanced_module
 from labkit.kernels.decode import BALANCED_MIN_BATCH, balanced
 from labkit.kernels.extend import extend_blocks
 from labkit.kernels.reference import reference_decode_attention, reference_extend_attention, reference_store_kv
@@ -112,6 +113,19 @@ def test_decode_on_fp8_pool_over_the_balanced_partition_matches_reference(
     decode_attention(q, k8, v8, req_to_token, rows, seq, head_dim**-0.5, out=out, k_scale=K_SCALE, v_scale=V_SCALE)
     ref = reference_decode_attention(q, k8, v8, req_to_token, rows, seq, head_dim**-0.5, K_SCALE, V_SCALE)
     check_close(out, ref, dtype)
+
+
+def test_balanced_partition_cuts_the_same_ranges_from_its_first_launch(device, gen, paged_kv, monkeypatch):
+    """The program count comes from the driver before a variant's first launch (not after it, from a
+    guess): a fresh variant's first call and the next give the same bits."""
+    monkeypatch.setattr(decode_balanced_module, "_PROGRAMS_PER_SM", {})
+    seq_lens = torch.randint(1, 2001, (130,), generator=gen, device=device).tolist()
+    _, _, k8, v8, req_to_token, rows = _fp8_pool(seq_lens, (16, 8, 128, 1), torch.float8_e4m3fn, gen, paged_kv)
+    q = torch.randn(130, 16, 128, generator=gen, device=device).to(torch.bfloat16)
+    seq = torch.tensor(seq_lens, device=device)
+    first, again = (decode_attention(q, k8, v8, req_to_token, rows, seq, 128**-0.5) for _ in range(2))
+    assert len(decode_balanced_module._PROGRAMS_PER_SM) == 1  # the balanced partition ran
+    assert torch.equal(first, again)
 
 
 @pytest.mark.parametrize("fp8", FP8, ids=_fp8_ids)
