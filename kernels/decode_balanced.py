@@ -105,9 +105,10 @@ def _libcuda() -> ctypes.CDLL:
 
 
 def multiprocessor_occupancy(compiled: Any) -> int | None:
-    """Programs of a launched Triton kernel that one multiprocessor holds at once (the CUDA driver's
-    cuOccupancyMaxActiveBlocksPerMultiprocessor for its registers, shared memory and threads); None
-    where that cannot be asked (no driver, the interpreter)."""
+    """Programs of a compiled Triton kernel (launched, or from `warmup`: its binary is loaded here)
+    that one multiprocessor holds at once (the CUDA driver's cuOccupancyMaxActiveBlocksPerMultiprocessor
+    for its registers, shared memory and threads); None where that cannot be asked (no driver, the
+    interpreter)."""
     if getattr(compiled, "function", None) is None and hasattr(compiled, "_init_handles"):
         compiled._init_handles()  # a warmed-up kernel loads its binary at its first launch otherwise
     function = getattr(compiled, "function", None)
