@@ -11,8 +11,8 @@ So a request spans at most cdiv(len, chunk) + 1 ranges; chunk is at least len / 
 for the longest request (the workspace's room) and at least MIN_CHUNK tokens.
 
 The number of programs is the device's occupancy for the compiled kernel (the CUDA driver's
-cuOccupancyMaxActiveBlocksPerMultiprocessor: registers, shared memory and threads), read at its first
-launch, times the multiprocessors. A launch beyond it would start a second wave of equal programs:
+cuOccupancyMaxActiveBlocksPerMultiprocessor: registers, shared memory and threads), asked before its
+first launch, times the multiprocessors. A launch beyond it would start a second wave of equal programs:
 on an H200, the float8 one-warp kernel (255 registers, 8 a multiprocessor) took the offline run's
 attention from 2.43 s with 8 to 3.63 with 10 (docs/benchmarks.md). The loop over a range's requests
 is what costs those registers: without it (one request a program) ptxas gives the same code 168, as
