@@ -125,6 +125,29 @@ class ReqOutput(msgspec.Struct, kw_only=True):
     detokenize: DetokenizeParams | None = None  # scheduler -> detokenizer only
     text: str = ""  # detokenizer -> tokenizer manager: the new text piece
 
+    @classmethod
+    def merge(cls, outputs: list[ReqOutput]) -> ReqOutput:
+        """One request's consecutive outputs (several steps') as one, in order: the pieces they carry
+        joined, the counts summed, the state (finish reason, cached tokens) of the last."""
+        if len(outputs) == 1:
+            return outputs[0]
+        first, last = outputs[0], outputs[-1]
+        logprobs = [o.token_logprobs for o in outputs if o.token_logprobs is not None]
+        tops = [o.top_logprobs for o in outputs if o.top_logprobs is not None]
+        return cls(
+            rid=first.rid,
+            token_ids=[t for o in outputs for t in o.token_ids],
+            finish_reason=last.finish_reason,
+            cached_tokens=last.cached_tokens,
+            spec_draft_tokens=sum(o.spec_draft_tokens for o in outputs),
+            spec_accepted_tokens=sum(o.spec_accepted_tokens for o in outputs),
+            token_logprobs=[lp for part in logprobs for lp in part] if logprobs else None,
+            top_logprobs=[top for part in tops for top in part] if tops else None,
+            input_token_logprobs=first.input_token_logprobs,
+            input_top_logprobs=first.input_top_logprobs,
+            text="".join(o.text for o in outputs),
+        )
+
 
 class BatchTokenIDOutput(msgspec.Struct, kw_only=True, tag=True):
     outputs: list[ReqOutput]

@@ -145,8 +145,10 @@ class TokenizerManager:
     async def stream(
         self, state: ReqState, is_disconnected: Callable[[], Awaitable[bool]] | None = None
     ) -> AsyncIterator[ReqOutput]:
-        """Yield the request's outputs until it finishes. Raises ServerDeadError if serving stopped.
-        Leaving early (disconnect, cancellation, an error) aborts the request in the scheduler."""
+        """Yield the request's outputs until it finishes: at each wake-up, what arrived since the last
+        one as one output (ReqOutput.merge), so a handler that falls behind the scheduler catches up
+        in one chunk instead of one per step. Raises ServerDeadError if serving stopped. Leaving
+        early (disconnect, cancellation, an error) aborts the request in the scheduler."""
         checked = time.perf_counter()
         try:
             while True:
@@ -169,8 +171,8 @@ class TokenizerManager:
                 if state.error is not None:
                     raise ServerDeadError(state.error)
                 outputs, state.pending = state.pending, []
-                for out in outputs:
-                    yield out
+                if outputs:
+                    yield ReqOutput.merge(outputs)
                 if state.finished:
                     return
         finally:

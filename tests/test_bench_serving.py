@@ -8,13 +8,23 @@ import asyncio
 import collections
 import dataclasses
 import json
+import math
 import statistics
 
 import httpx
 import pytest
 
 from labkit.bench import datasets, serving
-from labkit.bench.backends import HttpTarget, RequestOutput, arrival_times, first_model, run_engine, run_http
+from labkit.bench.backends import (
+    HttpTarget,
+    RequestOutput,
+    arrival_times,
+    decode_json,
+    first_model,
+    run_engine,
+    run_http,
+    sse_data,
+)
 from labkit.bench.datasets import BenchRequest
 from labkit.config import EngineConfig
 
@@ -205,6 +215,23 @@ def test_without_usage_tokens_are_counted_and_prompt_forms_are_converted():
     chat_req = BenchRequest([{"role": "user", "content": "a bc"}], 5, 4, ignore_eos=False)
     body = HttpTarget("http://x", "m", "completions", WordTokenizer()).body(chat_req)
     assert body["prompt"] == [6, 1, 2, 11] and body["ignore_eos"] is False
+
+
+def test_sse_payloads_are_the_same_wherever_the_stream_is_cut():
+    raw = b': comment\r\ndata: {"a": 1}\r\n\r\nevent: x\ndata:{"b": NaN}\n\ndata: [DONE]'
+
+    async def payloads(cut: int) -> list[bytes]:
+        async def parts():
+            yield raw[:cut]
+            yield raw[cut:]
+
+        resp = httpx.Response(200, content=parts())
+        return [p async for p in sse_data(resp)]
+
+    for cut in range(len(raw) + 1):
+        assert asyncio.run(payloads(cut)) == [b'{"a": 1}', b'{"b": NaN}', b"[DONE]"], cut
+    assert decode_json(b'{"a": [1, "x"]}') == {"a": [1, "x"]}
+    assert math.isnan(decode_json(b'{"b": NaN}')["b"])  # msgspec refuses NaN; json reads it
 
 
 def test_failed_requests_are_recorded_not_dropped():
