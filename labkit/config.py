@@ -139,10 +139,10 @@ class EngineConfig:
     # Execution
     attention_backend: str = field(default="auto", metadata={"help": "auto: triton on CUDA, torch_native on CPU"})
     cuda_graph_max_bs: int = field(
-        default=160,
+        default=256,  # max_running_requests' default: every decode batch it allows replays a graph
         metadata={
             "help": "largest decode batch run from a captured CUDA graph (CUDA with the triton backend); "
-            "larger batches run eagerly"
+            "larger batches run eagerly, several times slower (a host-bound launch per kernel)"
         },
     )
     cuda_graph_max_prefill_tokens: int = field(
