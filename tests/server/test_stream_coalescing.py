@@ -25,9 +25,17 @@ def test_merge_joins_pieces_sums_counts_and_keeps_the_last_state():
         top_logprobs=[[(5, -0.5)]],
         input_token_logprobs=[(None, 1), (-1.0, 2)],
     )
-    second = ReqOutput(rid="r", token_ids=[6, 7], text="bc", cached_tokens=2, spec_draft_tokens=3,
-                       spec_accepted_tokens=2, token_logprobs=[-0.25, -1.5], top_logprobs=[[(6, -0.25)], [(7, -1.5)]],
-                       finish_reason=LENGTH)  # fmt: skip
+    second = ReqOutput(
+        rid="r",
+        token_ids=[6, 7],
+        text="bc",
+        cached_tokens=2,
+        spec_draft_tokens=3,
+        spec_accepted_tokens=2,
+        token_logprobs=[-0.25, -1.5],
+        top_logprobs=[[(6, -0.25)], [(7, -1.5)]],
+        finish_reason=LENGTH,
+    )
     merged = ReqOutput.merge([first, second])
     assert merged.token_ids == [5, 6, 7] and merged.text == "abc"
     assert merged.token_logprobs == [-0.5, -0.25, -1.5]
