@@ -23,6 +23,17 @@ from labkit.speculative.verify import SpecState
 from labkit.trace.events import Station
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+# JSON has no -inf: a token a grammar rules out (log 0) is written as this (vLLM's convention), so the
+# answer stays valid JSON and a number where OpenAI's schema wants one.
+LOGPROB_FLOOR = -9999.0
+
+
+def _json_logprob(lp: float) -> float:
+    return lp if lp >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN compares false: floored too
+
+
+def _json_tops(top: list[tuple[int, float]] | None) -> list[tuple[int, float]] | None:
+    return None if top is None else [(t, _json_logprob(lp)) for t, lp in top]
 
 
 @dataclass
@@ -50,10 +61,16 @@ class Choice:
         if out.input_token_logprobs is not None:
             pairs = out.input_token_logprobs
             prompt_tops: list[list[tuple[int, float]] | None] = out.input_top_logprobs or [None] * len(pairs)
-            self.prompt_logprobs = [(tok, lp, top) for (lp, tok), top in zip(pairs, prompt_tops)]
+            self.prompt_logprobs = [
+                (tok, None if lp is None else _json_logprob(lp), _json_tops(top))
+                for (lp, tok), top in zip(pairs, prompt_tops)
+            ]
         if out.token_logprobs is not None:
             tops = out.top_logprobs or [None] * len(out.token_ids)
-            self.logprobs += list(zip(out.token_ids, out.token_logprobs, tops))
+            self.logprobs += [
+                (tok, _json_logprob(lp), _json_tops(top))
+                for tok, lp, top in zip(out.token_ids, out.token_logprobs, tops)
+            ]
         if out.finish_reason is not None:
             self.finish = out.finish_reason
 

@@ -8,8 +8,10 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import httpx
+import msgspec
 
 from labkit.config import EngineConfig
+from labkit.io_struct import BatchStrOutput, ReqOutput
 from labkit.server.http_server import create_app
 from labkit.server.inprocess import InProcessServer
 
@@ -34,6 +36,19 @@ def run_with_server(test: Callable[[InProcessServer], Awaitable[T]], api_key: st
             await server.close()
 
     return asyncio.run(main())
+
+
+async def answer_with(server: InProcessServer, path: str, body: dict, steps: list[ReqOutput]) -> httpx.Response:
+    """POST `body` to `path` and, once its request is in flight, hand the TokenizerManager `steps` as
+    if the scheduler had produced them (one message each, back to back, with the request's rid) in
+    place of the model's own outputs; the response."""
+    task = asyncio.create_task(server.client.post(path, json=body))
+    while not server.tm.rid_to_state:
+        await asyncio.sleep(0.001)
+    [rid] = server.tm.rid_to_state
+    for out in steps:
+        server.tm._dispatch(BatchStrOutput(outputs=[msgspec.structs.replace(out, rid=rid)]))
+    return await task
 
 
 def error_of(r: httpx.Response, status: int) -> dict:

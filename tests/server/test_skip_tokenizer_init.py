@@ -65,7 +65,11 @@ def test_server_without_tokenizer_streams_ids_and_benchmarks_like_the_engine(tin
             chunks = [json.loads(line[5:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
             ids = [c["output_ids"] for c in chunks]
             assert (sum(ids, []) if incremental else ids[-1]) == whole["output_ids"]
-            assert [c["meta_info"]["completion_tokens"] for c in chunks] == list(range(1, 7))
+            # A chunk per step, or several steps' tokens in one where the handler fell behind: the
+            # ids so far, or the new ones, match the count the chunk reports.
+            so_far = [sum(len(i) for i in ids[: k + 1]) if incremental else len(ids[k]) for k in range(len(ids))]
+            assert [c["meta_info"]["completion_tokens"] for c in chunks] == so_far
+            assert all(a < b for a, b in zip(so_far, so_far[1:])) and so_far[-1] == 6
 
             target = HttpTarget("http://labkit", "", "generate", incremental=incremental)
             assert (await server.serve(server_info(client, target)))["limits"]["vocab_size"] == 49152
@@ -81,8 +85,8 @@ def test_server_without_tokenizer_streams_ids_and_benchmarks_like_the_engine(tin
     assert all(o.success for o in outs), [o.error for o in outs]
     assert [o.output_len for o in outs] == [len(e) for e in expected] == [r.output_len for r in reqs]
     assert [o.prompt_len for o in outs] == [r.prompt_len for r in reqs]
-    # One streamed chunk per step: a gap between every two tokens.
-    assert all(len(o.itl) == o.output_len - 1 and o.ttft > 0 for o in outs)
+    # A gap between every two chunks, at most one chunk a token (a step's, or several steps' merged).
+    assert all(o.ttft > 0 and len(o.itl) <= o.output_len - 1 and o.ttft + sum(o.itl) <= o.latency for o in outs)
 
 
 @pytest.mark.slow

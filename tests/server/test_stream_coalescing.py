@@ -3,12 +3,11 @@ arrived for its request since it last woke go out merged (TokenizerManager.strea
 
 from __future__ import annotations
 
-import asyncio
 import json
 
-from inprocess_tiny import MODEL, run_with_server
+from inprocess_tiny import MODEL, answer_with, run_with_server
 
-from labkit.io_struct import BatchStrOutput, ReqOutput
+from labkit.io_struct import ReqOutput
 
 LENGTH = {"type": "length", "length": 3}
 
@@ -51,13 +50,12 @@ def test_merge_joins_pieces_sums_counts_and_keeps_the_last_state():
 async def _late_handler_chunks(server, path: str, body: dict) -> list[dict]:
     """Stream `body` to `path`; while the handler waits, two steps' outputs reach the
     TokenizerManager back to back. The data chunks the client got."""
-    task = asyncio.create_task(server.client.post(path, json={**body, "stream": True}))
-    while not server.tm.rid_to_state:
-        await asyncio.sleep(0.001)
-    [rid] = server.tm.rid_to_state
-    server.tm._dispatch(BatchStrOutput(outputs=[ReqOutput(rid=rid, token_ids=[5], text="a")]))
-    server.tm._dispatch(BatchStrOutput(outputs=[ReqOutput(rid=rid, token_ids=[6, 7], text="bc", finish_reason=LENGTH)]))
-    lines = [line[6:] for line in (await task).text.splitlines() if line.startswith("data: ")]
+    steps = [
+        ReqOutput(rid="", token_ids=[5], text="a"),
+        ReqOutput(rid="", token_ids=[6, 7], text="bc", finish_reason=LENGTH),
+    ]
+    response = await answer_with(server, path, {**body, "stream": True}, steps)
+    lines = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
 
