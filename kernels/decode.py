@@ -126,6 +126,18 @@ def balanced(batch: int, kv_bytes: int, head_dim: int) -> bool:
     return BALANCED and one_warp(kv_bytes, head_dim) and BALANCED_MIN_BATCH <= batch <= BALANCED_MAX_BATCH
 
 
+def default_prefetch(batch: int) -> bool:
+    """decode_attention's prefetch when not given (PREFETCH_MAX_BATCH)."""
+    return batch <= PREFETCH_MAX_BATCH
+
+
+def takes_balanced(batch: int, kv_bytes: int, head_dim: int, prefetch: bool, room: int | None) -> bool:
+    """Whether a decode_attention call runs over the balanced partition: a batch `balanced` accepts,
+    not prefetching, and a workspace with room (its split axis; None: allocated by the call) for two
+    splits. The one rule for the call and for a CUDA graph's replay, which then writes no split counts."""
+    return balanced(batch, kv_bytes, head_dim) and not prefetch and (room is None or room >= 2)
+
+
 def decode_workspace_splits(batch: int, bound: int, kv_bytes: int = 2, head_dim: int = 128) -> int:
     """Split room per (request, query head) of decode_attention's workspace (mid_o, mid_lse) for a
     batch whose split bound is `bound` (decode_kv_splits): the bound, or DEFAULT_MAX_KV_SPLITS where the
@@ -408,9 +420,9 @@ def decode_attention(
     the kernel ahead writes, come after it; the outputs are the same either way.
     order: [B] int32, a permutation of the batch (decode_order's): the requests' programs launch in
     that order instead of the batch's; the outputs are the same either way.
-    A batch `balanced` accepts runs over the balanced partition (kernels/decode_balanced.py) unless
-    prefetching or given a workspace with room for one split: num_kv_splits and order are then not
-    read, the semaphores are used whatever max_kv_splits, and a workspace allocated here has
+    A call `takes_balanced` accepts (a batch `balanced` accepts, unless prefetching or given a
+    workspace with room for one split) runs over the balanced partition (kernels/decode_balanced.py):
+    num_kv_splits and order are then not read, the semaphores are used whatever max_kv_splits, and a workspace allocated here has
     decode_workspace_splits' room."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -422,9 +434,10 @@ def decode_attention(
         return out
     if batch > MAX_GRID_Y:
         raise ValueError(f"decode_attention takes at most {MAX_GRID_Y} requests a call, got {batch}")
-    prefetch = batch <= PREFETCH_MAX_BATCH if prefetch is None else prefetch
-    use_balanced = balanced(batch, k_buffer.element_size(), head_dim) and not prefetch
-    use_balanced = use_balanced and (mid_o is None or mid_o.shape[2] >= 2)
+    prefetch = default_prefetch(batch) if prefetch is None else prefetch
+    use_balanced = takes_balanced(
+        batch, k_buffer.element_size(), head_dim, prefetch, None if mid_o is None else mid_o.shape[2]
+    )
     if num_kv_splits is None and not use_balanced:  # the balanced partition reads no split counts
         num_kv_splits, max_kv_splits = decode_kv_splits(
             seq_lens, num_heads, num_kv_heads, num_sms(q.device), max_kv_splits,

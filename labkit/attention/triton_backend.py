@@ -28,14 +28,15 @@ from labkit.attention.base import (
 )
 from labkit.kernels.decode import (
     DEFAULT_MAX_KV_SPLITS,
-    balanced,
     decode_attention,
     decode_kv_splits,
     decode_order,
     decode_semaphore_count,
     decode_workspace_splits,
+    default_prefetch,
     longest_first,
     num_sms,
+    takes_balanced,
 )
 from labkit.kernels.extend import ExtendPlan, extend_attention, extend_blocks
 from labkit.kernels.kv_cache import store_kv
@@ -196,8 +197,8 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         fb, graph = forward_batch, self._graph_buffers(forward_batch)
         bs, kv_bytes = fb.batch_size, fb.token_to_kv_pool.dtype.itemsize
-        if balanced(bs, kv_bytes, self.config.head_dim):  # the balanced partition reads no split counts
-            return
+        if takes_balanced(bs, kv_bytes, self.config.head_dim, default_prefetch(bs), graph.mid_o.shape[2]):
+            return  # the balanced partition reads no split counts
         graph.num_kv_splits[:bs].copy_(self._splits(fb)[0])
         if bs in graph.ordered:  # as captured, whatever decode_order would say now
             graph.order[:bs].copy_(longest_first(fb.seq_lens))

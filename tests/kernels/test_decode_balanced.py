@@ -20,6 +20,8 @@ from labkit.kernels.decode import (
     decode_order,
     decode_semaphore_count,
     decode_workspace_splits,
+    default_prefetch,
+    takes_balanced,
 )
 from labkit.kernels.decode_balanced import multiprocessor_occupancy
 from labkit.kernels.reference import reference_decode_attention
@@ -110,6 +112,18 @@ def test_float8_one_warp_batches_from_the_minimum_take_the_balanced_partition(mo
     monkeypatch.setattr(decode_module, "BALANCED", False)
     assert not balanced(256, 1, 128)
     assert decode_order(seq, 16, 8, 1, 132, kv_bytes=1) is not None
+
+
+def test_a_call_takes_the_balanced_partition_unless_it_prefetches_or_has_room_for_one_split(monkeypatch):
+    """takes_balanced, the rule decode_attention and a CUDA graph's replay share: a prefetching batch
+    (PREFETCH_MAX_BATCH raised past it, as an A/B variant may) or a one-split workspace runs the
+    split kernel, whose split counts the replay must then write."""
+    assert takes_balanced(BALANCED_MIN_BATCH, 1, 128, default_prefetch(BALANCED_MIN_BATCH), None)
+    assert takes_balanced(BALANCED_MIN_BATCH, 1, 128, False, 2)
+    assert not takes_balanced(BALANCED_MIN_BATCH, 1, 128, False, 1)
+    assert not takes_balanced(BALANCED_MIN_BATCH - 1, 1, 128, False, None)
+    monkeypatch.setattr(decode_module, "PREFETCH_MAX_BATCH", BALANCED_MIN_BATCH)
+    assert not takes_balanced(BALANCED_MIN_BATCH, 1, 128, default_prefetch(BALANCED_MIN_BATCH), None)
 
 
 @triton.jit
