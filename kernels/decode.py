@@ -422,8 +422,8 @@ def decode_attention(
     that order instead of the batch's; the outputs are the same either way.
     A call `takes_balanced` accepts (a batch `balanced` accepts, unless prefetching or given a
     workspace with room for one split) runs over the balanced partition (kernels/decode_balanced.py):
-    num_kv_splits and order are then not read, the semaphores are used whatever max_kv_splits, and a workspace allocated here has
-    decode_workspace_splits' room."""
+    num_kv_splits and order are then not read, the semaphores are used whatever max_kv_splits, and
+    a workspace allocated here has decode_workspace_splits' room."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     assert num_heads % num_kv_heads == 0 and k_buffer.shape[2] == head_dim
