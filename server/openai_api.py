@@ -4,13 +4,13 @@ TokenizerManager -> OpenAI JSON, whole or as Server-Sent Events."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -340,8 +340,13 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
     }
 
 
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+_JSON = msgspec.json.Encoder()
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One server-sent event. msgspec writes UTF-8 as it is (json's ensure_ascii=False) in an eighth
+    of json.dumps' time, which a stream pays per chunk in the server's one main process."""
+    return b"data: " + _JSON.encode(payload) + b"\n\n"
 
 
 async def submit_or_raise(
