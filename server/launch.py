@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
             port=args.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=3,
+            # C event loop and HTTP parser: streaming pays them per chunk, in this one process
+            loop="uvloop",
+            http="httptools",
             access_log=args.log_level == "debug",
         ),
     )

@@ -44,6 +44,7 @@ from labkit.bench.backends import (
     run_http,
     server_info,
 )
+from labkit.bench.client_processes import run_http_processes
 from labkit.config import HICACHE_WRITE_POLICIES, KV_CACHE_DTYPES, EngineConfig, add_field_options
 from labkit.scheduler.schedule_policy import POLICIES
 
@@ -198,6 +199,8 @@ async def bench_http(args: argparse.Namespace) -> tuple[list[RequestOutput], flo
     from labkit.model_loader.loader import load_tokenizer
 
     api = HTTP_BACKENDS[args.backend]
+    if args.client_processes < 1:
+        raise SystemExit(f"--client-processes must be >= 1, got {args.client_processes}")
     # generate sends token ids: a tokenizer only renders chat prompts, and the ids span the model's vocabulary
     tokenizer = load_tokenizer(args.tokenizer) if api != "generate" or args.tokenizer else None
     if tokenizer is None and api != "generate":
@@ -219,15 +222,13 @@ async def bench_http(args: argparse.Namespace) -> tuple[list[RequestOutput], flo
             _check_warmup(warm)
         if args.flush_cache:
             (await client.post(args.base_url.rstrip("/") + "/flush_cache", headers=target.headers)).raise_for_status()
-        with progress(args, len(requests)) as bar:
-            return await run_http(
-                client,
-                target,
-                requests,
-                arrival_times(len(requests), args.request_rate, args.seed),
-                args.max_concurrency,
-                lambda: bar.update(1),
+        arrivals = arrival_times(len(requests), args.request_rate, args.seed)
+        if args.client_processes > 1:
+            return await asyncio.to_thread(
+                run_http_processes, target, requests, arrivals, args.max_concurrency, args.client_processes
             )
+        with progress(args, len(requests)) as bar:
+            return await run_http(client, target, requests, arrivals, args.max_concurrency, lambda: bar.update(1))
 
 
 def _check_warmup(outputs: list[RequestOutput]) -> None:
@@ -289,6 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--mt-output-len", type=int, default=16, help="multiturn-random: output tokens (EOS ignored)")
     add("--request-rate", type=float, default=float("inf"), help="Poisson arrivals, req/s; inf: all at once")
     add("--max-concurrency", type=int, help="at most this many requests in flight; None: no limit")
+    add(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="HTTP backends: send the requests from this many processes (a conversation's turns from one), "
+        "each with its share of --max-concurrency: one Python client cannot parse tens of thousands of "
+        "chunks a second",
+    )
     add("--seed", type=int, default=0, help="seeds the datasets and the arrival times")
     add("--warmup-requests", type=int, default=1, help="copies of the first request sent first, not measured")
     add("--output-file", help="append the result (args, metrics, errors) to this file as one JSON line")

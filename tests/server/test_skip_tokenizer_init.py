@@ -101,14 +101,14 @@ def test_served_without_tokenizer_the_generate_benchmark_completes_every_request
         "--model-path", tiny_vocab_config, "--load-format", "dummy", "--skip-tokenizer-init",
         "--max-total-tokens", "4096", "--log-level", "warning", "--incremental-streaming-output",
     )  # fmt: skip
+    argv = ["--backend", "generate", "--base-url", server.url, "--num-prompts", "8", "--random-input-len", "24"]
+    argv += ["--random-output-len", "6", "--max-concurrency", "4", "--disable-tqdm"]
     try:
-        result = serving.main(
-            ["--backend", "generate", "--base-url", server.url, "--num-prompts", "8", "--random-input-len", "24"]
-            + ["--random-output-len", "6", "--max-concurrency", "4", "--disable-tqdm"]
-        )
+        results = [serving.main(argv + ["--client-processes", str(n)]) for n in (1, 3)]
         wait_idle(server)
     finally:
         assert server.stop() == 0
-    m = result["metrics"]
-    assert (m["completed"], m["failed"], m["total_output_tokens"], m["total_input_tokens"]) == (8, 0, 48, 8 * 24)
-    assert m["itl_ms"]["p99"] > 0 and m["ttft_ms"]["p99"] > 0
+    for result in results:  # one client process, and three sending 3 + 3 + 2 requests
+        m = result["metrics"]
+        assert (m["completed"], m["failed"], m["total_output_tokens"], m["total_input_tokens"]) == (8, 0, 48, 8 * 24)
+        assert m["itl_ms"]["p99"] > 0 and m["ttft_ms"]["p99"] > 0
