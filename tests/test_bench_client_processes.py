@@ -4,10 +4,12 @@ outputs merged back in request order on one clock."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
-from labkit.bench.backends import RequestOutput
-from labkit.bench.client_processes import Part, merge, split
+from labkit.bench.backends import HttpTarget, RequestOutput
+from labkit.bench.client_processes import Part, merge, run_http_processes, split
 from labkit.bench.datasets import BenchRequest
 
 
@@ -53,3 +55,17 @@ def test_merge_restores_request_order_on_the_earliest_clock():
     assert duration == pytest.approx(2.25)  # 100.75 + 1.5 - 100.0
     with pytest.raises(ValueError):
         merge(4, parts, [([a, b], 100.0, 2.0), ([c], 100.75, 1.5)])
+
+
+def test_client_processes_return_every_requests_output_in_order():
+    """The whole path through three client processes, against a port nothing listens on: each request
+    fails on its own (recorded, not raised) and comes back at its index."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again before the clients connect
+    requests = [BenchRequest([1] * (n + 1), n + 1, 4) for n in range(7)]
+    target = HttpTarget(f"http://127.0.0.1:{port}", "", "generate")
+    outs, duration = run_http_processes(target, requests, [0.0] * 7, max_concurrency=4, processes=3)
+    assert [o.prompt_len for o in outs] == [r.prompt_len for r in requests]
+    assert all(not o.success and "ConnectError" in o.error for o in outs), [o.error for o in outs]
+    assert duration >= max(o.start + o.latency for o in outs) >= 0

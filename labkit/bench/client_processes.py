@@ -3,25 +3,24 @@
 One Python process parses a server's chunks at a bounded rate: on an H200 serving 256 requests at
 once, a single client measured about 22,000 output tokens/s where two, each sending half the requests,
 measured 33,800 together, the in-process engine's rate (docs/benchmarks.md). So `--client-processes N`
-splits the requests over N spawned processes: the same arrival offsets, each process holding at most
+splits the requests over N client processes: the same arrival offsets, each process holding at most
 its share of --max-concurrency, a conversation's turns kept in one process (a turn waits for its reply).
-They start together (a barrier), and their outputs come back in request order on one clock."""
+They start together once all are ready, and their outputs come back in request order on one clock."""
 
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
-import queue
+import pickle
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any, cast
 
 import httpx
 
 from labkit.bench.backends import HttpTarget, RequestOutput, run_http
 from labkit.bench.datasets import BenchRequest
-
-START_TIMEOUT_S = 300.0  # for every process to start, import and reach the start line
 
 
 @dataclass
@@ -66,27 +65,23 @@ def merge(n: int, parts: list[Part], runs: list[Run]) -> tuple[list[RequestOutpu
     return [o for o in merged if o is not None], max(start + d for _, start, d in runs) - t0
 
 
-def _client(
-    target: HttpTarget,
-    requests: list[BenchRequest],
-    arrivals: list[float],
-    cap: int | None,
-    barrier: Any,
-    results: Any,
-    k: int,
-) -> None:
-    """A client process: connect, wait at the start line with the others, run its part, send back its
-    Run (with its index k)."""
+def _child() -> None:
+    """A client process (python -m labkit.bench.client_processes): its part's (target, requests, arrivals,
+    cap) pickled on stdin; "ready" once connected; after "go" on stdin, its Run pickled on stdout."""
+    target, requests, arrivals, cap = pickle.load(sys.stdin.buffer)
 
-    async def go() -> None:
+    async def go() -> Run:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-            await asyncio.to_thread(barrier.wait, START_TIMEOUT_S)
+            sys.stdout.buffer.write(b"ready\n")
+            sys.stdout.flush()
+            await asyncio.to_thread(sys.stdin.buffer.readline)
             start = time.time()
             outs, duration = await run_http(client, target, requests, arrivals, cap)
-            results.put((k, outs, start, duration))
+            return outs, start, duration
 
-    asyncio.run(go())
+    pickle.dump(asyncio.run(go()), sys.stdout.buffer)
+    sys.stdout.flush()
 
 
 def run_http_processes(
@@ -96,34 +91,36 @@ def run_http_processes(
     max_concurrency: int | None,
     processes: int,
 ) -> tuple[list[RequestOutput], float]:
-    """run_http's outputs and duration, the requests sent from `processes` spawned client processes."""
+    """run_http's outputs and duration, the requests sent from `processes` client processes. They are
+    fresh interpreters that import only the client (not torch), started together once all are ready."""
     parts = split(requests, max_concurrency, processes)
-    ctx = multiprocessing.get_context("spawn")
-    barrier, results = ctx.Barrier(len(parts)), ctx.Queue()  # the processes start each other
     procs = [
-        ctx.Process(
-            target=_client,
-            args=(target, [requests[i] for i in p.indices], [arrivals[i] for i in p.indices], p.max_concurrency)
-            + (barrier, results, k),
-            daemon=True,
-        )
-        for k, p in enumerate(parts)
+        subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in parts
     ]
-    for p in procs:
-        p.start()
+    pipes = [(cast(IO[bytes], p.stdin), cast(IO[bytes], p.stdout)) for p in procs]  # both PIPE
     try:
-        runs: dict[int, Run] = {}
-        while len(runs) < len(parts):
+        for (stdin, _), part in zip(pipes, parts):
+            job = (target, [requests[i] for i in part.indices], [arrivals[i] for i in part.indices])
+            pickle.dump((*job, part.max_concurrency), stdin)
+            stdin.flush()
+        for proc, (_, stdout) in zip(procs, pipes):
+            if stdout.readline() != b"ready\n":
+                raise RuntimeError(f"a client process failed to start (exit code {proc.wait()})")
+        for stdin, _ in pipes:  # the start line
+            stdin.write(b"go\n")
+            stdin.flush()
+        runs = []
+        for proc, (_, stdout) in zip(procs, pipes):
             try:
-                k, outs, start, duration = results.get(timeout=1.0)
-                runs[k] = (outs, start, duration)
-            except queue.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"a client process failed (exit code {dead[0]})") from None
-        return merge(len(requests), parts, [runs[k] for k in range(len(parts))])
+                runs.append(pickle.load(stdout))
+            except EOFError:
+                raise RuntimeError(f"a client process failed (exit code {proc.wait()})") from None
+        return merge(len(requests), parts, runs)
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+if __name__ == "__main__":
+    _child()
