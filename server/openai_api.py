@@ -344,7 +344,7 @@ _JSON = msgspec.json.Encoder()
 
 
 def sse(payload: dict[str, Any]) -> bytes:
-    """One server-sent event. msgspec writes UTF-8 as it is (json's ensure_ascii=False) in an eighth
+    """One server-sent event. msgspec writes UTF-8 as it is (json's ensure_ascii=False) in a twelfth
     of json.dumps' time, which a stream pays per chunk in the server's one main process."""
     return b"data: " + _JSON.encode(payload) + b"\n\n"
 

@@ -1,8 +1,8 @@
 """The HTTP benchmark's requests sent from several client processes at once.
 
-One Python process parses a server's chunks at a bounded rate: on an H200 serving 256 requests at
-once, a single client measured about 22,000 output tokens/s where two, each sending half the requests,
-measured 33,800 together, the in-process engine's rate (docs/benchmarks.md). So `--client-processes N`
+One Python process parses a server's chunks at a bounded rate: against the same server on an H200, at
+256 requests in flight, one client process measured 20,600-23,500 output tokens/s where four measured
+27,000-29,300 (docs/benchmarks.md). So `--client-processes N`
 splits the requests over N client processes: the same arrival offsets, each process holding at most
 its share of --max-concurrency, a conversation's turns kept in one process (a turn waits for its reply).
 They start together once all are ready, and their outputs come back in request order on one clock."""
@@ -67,7 +67,8 @@ def merge(n: int, parts: list[Part], runs: list[Run]) -> tuple[list[RequestOutpu
 
 def _child() -> None:
     """A client process (python -m labkit.bench.client_processes): its part's (target, requests, arrivals,
-    cap) pickled on stdin; "ready" once connected; after "go" on stdin, its Run pickled on stdout."""
+    cap) pickled on stdin; "ready" once its HTTP client is made; after "go" on stdin, its Run pickled on
+    stdout."""
     target, requests, arrivals, cap = pickle.load(sys.stdin.buffer)
 
     async def go() -> Run:
