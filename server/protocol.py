@@ -59,6 +59,8 @@ def _lone_surrogate_at(value: Any) -> tuple[str | int, ...] | None:
         except UnicodeEncodeError:
             return ()
         return None
+    if isinstance(value, list) and all(type(x) is int for x in value):  # token ids: hundreds, no strings
+        return None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
         if isinstance(key, str) and _lone_surrogate_at(key) is not None:

@@ -108,7 +108,11 @@ class TokenizerManager:
         rids = [req.rid or uuid.uuid4().hex for req in reqs]
         # Tokenizing costs CPU time in proportion to the prompt: a worker thread does it (the fast
         # tokenizers release the GIL), so the event loop keeps serving other requests meanwhile.
-        encoded = await asyncio.to_thread(self._encode_all, reqs, rids)
+        # Token-id prompts are only checked, which costs less than the hop to a thread.
+        if all(req.input_ids is not None for req in reqs):
+            encoded = self._encode_all(reqs, rids)
+        else:
+            encoded = await asyncio.to_thread(self._encode_all, reqs, rids)
         self._check_capacity(len(reqs), probe)  # things may have changed while tokenizing
         for rid in rids:
             if rid in self.rid_to_state:

@@ -47,6 +47,8 @@ def said(**message) -> dict:
         ("/v1/completions", {**COMPLETION, "user": S}, "user"),
         ("/v1/completions", {**COMPLETION, S: 1}, "\\ud800"),
         ("/generate", {"text": S}, "text"),
+        ("/generate", {"input_ids": [1, 2, S]}, "input_ids"),  # ids with a string: not skipped as ids
+        ("/v1/completions", {**COMPLETION, "prompt": [[1, 2], [3, S]]}, "prompt"),
         ("/generate", {"input_ids": [1], "sampling_params": {"stop": S}}, "sampling_params"),
         ("/generate", {"input_ids": [1], "rid": S}, "rid"),
         ("/abort_request", {"rid": S}, "rid"),
