@@ -151,6 +151,13 @@ def chunk_text(chunk: dict[str, Any], chat: bool) -> str:
     return choices[0].get("text") or ""
 
 
+def bench_client() -> httpx.AsyncClient:
+    """The benchmark's HTTP client: no timeout, and no cap on connections (the benchmark's own
+    --max-concurrency is the only limit on requests in flight)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(timeout=None, limits=limits)
+
+
 async def send_request(client: httpx.AsyncClient, target: HttpTarget, req: BenchRequest, t0: float) -> RequestOutput:
     """One streaming request; timings from the arrival of SSE lines. Any failure is recorded, not raised.
     The body (for chat prompts: template and tokenizer) is built before the clock starts."""

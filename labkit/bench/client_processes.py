@@ -17,9 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
-import httpx
-
-from labkit.bench.backends import HttpTarget, RequestOutput, run_http
+from labkit.bench.backends import HttpTarget, RequestOutput, bench_client, run_http
 from labkit.bench.datasets import BenchRequest
 
 
@@ -72,8 +70,7 @@ def _child() -> None:
     target, requests, arrivals, cap = pickle.load(sys.stdin.buffer)
 
     async def go() -> Run:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        async with bench_client() as client:
             sys.stdout.buffer.write(b"ready\n")
             sys.stdout.flush()
             await asyncio.to_thread(sys.stdin.buffer.readline)

@@ -30,7 +30,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import numpy as np
 from tqdm import tqdm
 
@@ -39,6 +38,7 @@ from labkit.bench.backends import (
     HttpTarget,
     RequestOutput,
     arrival_times,
+    bench_client,
     first_model,
     run_engine,
     run_http,
@@ -205,8 +205,7 @@ async def bench_http(args: argparse.Namespace) -> tuple[list[RequestOutput], flo
     tokenizer = load_tokenizer(args.tokenizer) if api != "generate" or args.tokenizer else None
     if tokenizer is None and api != "generate":
         raise SystemExit(f"no tokenizer in {args.tokenizer}")
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+    async with bench_client() as client:
         target = HttpTarget(args.base_url, args.model or "", api, tokenizer, args.api_key)
         if api == "generate":
             info = await server_info(client, target)
