@@ -3,7 +3,8 @@ can send them across processes with a schema'd, non-executable encoding (never p
 
 Server flow: TokenizerManager --TokenizedGenerateReqInput / AbortReq / control--> Scheduler
 --BatchTokenIDOutput--> DetokenizerManager --BatchStrOutput--> TokenizerManager; the scheduler
-answers control requests (ControlReq) straight to the TokenizerManager with ControlOutput.
+answers control requests (ControlReq) straight to the TokenizerManager with ControlOutput. With
+several tokenizer workers (HTTP processes), every message names its worker, and each goes back to it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class TokenizedGenerateReqInput(msgspec.Struct, kw_only=True, tag=True):
     stream: bool = False
     received_time: float = 0.0  # perf_counter when tokenizing (station 3) began
     created_time: float = 0.0  # perf_counter when it ended: the request's arrival for the scheduler
+    worker: int = 0  # the tokenizer worker (HTTP process) it came from, which its outputs go back to
 
 
 class AbortReq(msgspec.Struct, kw_only=True, tag=True):
@@ -51,6 +53,17 @@ class ControlReq(msgspec.Struct, kw_only=True, tag=True):
 
     req_id: str
     action: str
+    worker: int = 0  # the tokenizer worker to answer
+
+
+class PeerReq(msgspec.Struct, kw_only=True, tag=True):
+    """A tokenizer worker's question to another (--tokenizer-worker-num > 1): "abort" (`rid`, as
+    /abort_request) or "stats" (its metrics and requests in flight). Answered with a ControlOutput."""
+
+    req_id: str
+    worker: int  # the asking worker, where the answer goes
+    action: str
+    rid: str = ""
 
 
 class ControlOutput(msgspec.Struct, kw_only=True, tag=True):
@@ -113,6 +126,7 @@ class ReqOutput(msgspec.Struct, kw_only=True):
     rid: str
     token_ids: list[int]
     finish_reason: dict[str, Any] | None = None  # FinishReason.to_dict() once finished
+    worker: int = 0  # the tokenizer worker that owns the request (TokenizedGenerateReqInput.worker)
     cached_tokens: int = 0
     # Speculative decoding: this step's drafts of the request, and how many of them it kept.
     spec_draft_tokens: int = 0
@@ -136,6 +150,7 @@ class ReqOutput(msgspec.Struct, kw_only=True):
         tops = [o.top_logprobs for o in outputs if o.top_logprobs is not None]
         return cls(
             rid=first.rid,
+            worker=first.worker,
             token_ids=[t for o in outputs for t in o.token_ids],
             finish_reason=last.finish_reason,
             cached_tokens=last.cached_tokens,
@@ -161,4 +176,4 @@ class BatchStrOutput(msgspec.Struct, kw_only=True, tag=True):
 
 
 ToScheduler = TokenizedGenerateReqInput | AbortReq | ControlReq
-ToTokenizer = BatchStrOutput | ControlOutput
+ToTokenizer = BatchStrOutput | ControlOutput | PeerReq

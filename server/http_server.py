@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+from collections.abc import Awaitable
 from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -15,11 +16,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from labkit.io_struct import GenerateReqInput
 from labkit.server.body_limit import BodySizeLimitMiddleware
 from labkit.server.errors import APIError, install_error_handlers, server_unavailable
+from labkit.server.metrics import ServerMetrics
 from labkit.server.openai_api import Choice, OpenAIServing, finish_fields, sse, submit_or_raise, trace_http
 from labkit.server.protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
 from labkit.server.server_args import ServerArgs
 from labkit.server.tokenizer_manager import ServerDeadError, TokenizerManager
 
+T = TypeVar("T")
 HEALTH_TIMEOUT_S = 20.0
 HEALTH_FRESH_S = 5.0  # a request that finished this recently proves the generation path alive
 
@@ -195,21 +198,28 @@ def create_app(runtime: AppRuntime) -> FastAPI:
     @app.get("/get_server_info")
     async def get_server_info() -> JSONResponse:
         manager = tm()
-        info = await _control(manager, "get_info")
+        info = await _answer(manager.control("get_info"))
+        workers = await _answer(manager.all_stats())
         return JSONResponse(
             {
                 "server_args": runtime.args.to_dict(),
                 "model": runtime.model_name,
                 **manager.info,
                 **info.data,
-                "in_flight": len(manager.rid_to_state),
-                "dp_routed_requests": manager.dp.routed_counts,
+                "in_flight": sum(w["in_flight"] for w in workers),
+                "dp_routed_requests": [sum(counts) for counts in zip(*(w["dp_routed_requests"] for w in workers))],
+                "tokenizer_worker": manager.worker,  # the one that answered
+                "tokenizer_workers": [
+                    {key: w[key] for key in ("worker", "pid", "in_flight")}
+                    | {"requests_total": w["metrics"]["counters"]["requests_total"]}
+                    for w in sorted(workers, key=lambda w: w["worker"])
+                ],
             }
         )
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> JSONResponse:
-        out = await _control(tm(), "flush_cache")
+        out = await _answer(tm().control("flush_cache"))
         if not out.ok:
             raise APIError(400, out.message, code="requests_running")
         return JSONResponse({"message": "cache flushed"})
@@ -218,15 +228,16 @@ def create_app(runtime: AppRuntime) -> FastAPI:
     async def abort_request(req: AbortRequest) -> JSONResponse:
         """Abort a request by its rid, or every choice of an OpenAI response by the response id;
         answers with the rids the scheduler aborted."""
-        return JSONResponse({"aborted": await tm().abort(req.rid)})
+        return JSONResponse({"aborted": await _answer(tm().abort(req.rid))})
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         if not runtime.args.enable_metrics:
             raise APIError(404, "metrics are off; start the server with --enable-metrics")
         manager = tm()
-        data = (await _control(manager, "get_info")).data
-        m = manager.metrics.counters
+        data = (await _answer(manager.control("get_info"))).data
+        totals = ServerMetrics.total([w["metrics"] for w in await _answer(manager.all_stats())])
+        m = totals.counters
         gauges = {
             "num_running_reqs": ("Requests in the running batch", data["running"]),
             "num_queued_reqs": ("Requests in the waiting queue", data["waiting"]),
@@ -240,16 +251,17 @@ def create_app(runtime: AppRuntime) -> FastAPI:
                 m["spec_accepted_tokens_total"] / max(m["spec_draft_tokens_total"], 1),
             ),
         }
-        return PlainTextResponse(manager.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(totals.render(gauges), media_type="text/plain; version=0.0.4")
 
     return app
 
 
-async def _control(manager: TokenizerManager, action: str):
+async def _answer(question: Awaitable[T]) -> T:
+    """The answer of the scheduler or the other tokenizer workers; a 503 if they do not give one."""
     try:
-        return await manager.control(action)
+        return await question
     except (ServerDeadError, asyncio.TimeoutError) as e:
-        raise APIError(503, f"the scheduler did not answer: {e or 'timeout'}", code="server_unavailable") from None
+        raise APIError(503, f"the server did not answer: {e or 'timeout'}", code="server_unavailable") from None
 
 
 def native_logprobs(choice: Choice) -> dict[str, Any]:

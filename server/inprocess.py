@@ -36,7 +36,7 @@ from labkit.scheduler.scheduler import Scheduler
 from labkit.server.detokenizer_process import DetokenizerLoop
 from labkit.server.http_server import create_app
 from labkit.server.ipc import PortArgs
-from labkit.server.launch import make_tokenizer_manager, model_name_of
+from labkit.server.runtime import make_tokenizer_manager, model_name_of
 from labkit.server.scheduler_process import SchedulerLoop
 from labkit.server.server_args import ServerArgs
 from labkit.server.tokenizer_manager import TokenizerManager

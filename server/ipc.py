@@ -19,7 +19,7 @@ class PortArgs:
     """Where each process listens (SGLang's name). Each PULL socket is bound by its owner."""
 
     ipc_dir: str
-    tokenizer_ipc: str  # TokenizerManager <- DetokenizerManager (outputs) and Scheduler (control replies)
+    tokenizer_ipc: str  # TokenizerManager <- DetokenizerManager (outputs), Scheduler and peers (replies)
     scheduler_ipc: str  # Scheduler <- TokenizerManager
     detokenizer_ipc: str  # DetokenizerManager <- Scheduler
 
@@ -34,6 +34,10 @@ class PortArgs:
     def scheduler_ipc_of(self, dp_rank: int) -> str:
         """The socket of data-parallel replica `dp_rank`'s scheduler (replica 0's is scheduler_ipc)."""
         return self.scheduler_ipc if dp_rank == 0 else f"{self.scheduler_ipc}-{dp_rank}"
+
+    def tokenizer_ipc_of(self, worker: int) -> str:
+        """The socket of tokenizer worker `worker` (worker 0, the main process, has tokenizer_ipc)."""
+        return self.tokenizer_ipc if worker == 0 else f"{self.tokenizer_ipc}-{worker}"
 
     def cleanup(self) -> None:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)

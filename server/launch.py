@@ -1,9 +1,10 @@
-"""`python -m labkit.server`: start the scheduler and detokenizer processes, serve HTTP in this one,
-and take everything down together.
+"""`python -m labkit.server`: start the scheduler and detokenizer processes, serve HTTP in this one
+(and in --tokenizer-worker-num - 1 more), and take everything down together.
 
 Start-up: resolve the model here (the embedded GGUF is converted once, before any child needs it),
-spawn the children, and serve at once (503 until they are up). Ready: both children report in and a
-one-token generation passes; one line is printed. Shutdown: Ctrl-C / SIGTERM stop uvicorn, then the
+spawn the children, and serve at once (503 until they are up). Ready: both children report in, the
+other tokenizer workers start, and a one-token generation passes in every HTTP process; one line is
+printed. Shutdown: Ctrl-C / SIGTERM stop uvicorn, then the
 children are terminated (and killed if they linger) and the socket directory is removed. A child
 that dies makes every in-flight request fail, /health answer 503, and the server exit non-zero."""
 
@@ -20,28 +21,31 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-import uvicorn
+from typing import Any
 
 from labkit.config import EngineConfig, ranks_per_node
 from labkit.distributed.tp_worker import check_tp_shapes, free_local_addr
 from labkit.model_executor.model_runner import resolve_device
-from labkit.model_loader.embedded import EMBEDDED_MODEL_NAME
 from labkit.model_loader.loader import load_config, model_dir_and_tokenizer
 from labkit.server.detokenizer_process import run_detokenizer_process
 from labkit.server.http_server import create_app
+from labkit.server.http_worker import run_http_worker
 from labkit.server.ipc import PortArgs, remove_stale_ipc_dirs
 from labkit.server.process import READY_LINE
+from labkit.server.runtime import (
+    WATCH_INTERVAL_S,
+    ServerRuntime,
+    UvicornServer,
+    exit_cleanly,
+    model_name_of,
+    serve,
+    uvicorn_config,
+)
 from labkit.server.scheduler_process import RankPlace, run_scheduler_process
 from labkit.server.server_args import ServerArgs
-from labkit.server.tokenizer_manager import TokenizerManager
-from labkit.trace.recorder import Tracer
 
 logger = logging.getLogger("labkit.server")
-WATCH_INTERVAL_S = 0.5
-DEATH_GRACE_S = 2.0  # keep answering 503 this long after a child died, then exit
 CHILD_START_TIMEOUT_S = 600.0
-WARM_UP_TIMEOUT_S = 60.0
 
 
 class Launcher:
@@ -52,6 +56,7 @@ class Launcher:
         self.ports = PortArgs.create()
         self.procs: dict[str, mp.Process] = {}
         self.ready_conns = {}
+        self.infos: dict[str, dict] = {}  # what each child reported once ready, by name
         self.stopping = False
 
     def start_children(self) -> None:
@@ -66,6 +71,16 @@ class Launcher:
         if cfg.node_rank == 0:
             self._start("detokenizer", run_detokenizer_process)
 
+    def start_http_workers(self, scheduler_info: dict) -> None:
+        """Tokenizer workers 1.. (worker 0 is this process), given the scheduler's info."""
+        for worker in range(1, self.args.tokenizer_worker_num):
+            self._start(f"http-{worker}", run_http_worker, worker, scheduler_info)
+
+    def stop_http_workers(self) -> None:
+        for name, proc in self.procs.items():
+            if name.startswith("http-") and proc.is_alive():
+                proc.terminate()
+
     def _start(self, name: str, target: Callable[..., None], *extra: object) -> None:
         ctx = mp.get_context("spawn")  # a clean interpreter: no forked torch or event-loop state
         reader, writer = ctx.Pipe(duplex=False)
@@ -77,8 +92,9 @@ class Launcher:
         self.procs[name], self.ready_conns[name] = proc, reader
 
     def wait_ready(self) -> dict[str, dict]:
-        """Block until every child reported in; their info by name. Raises RuntimeError if one failed."""
-        infos: dict[str, dict] = {}
+        """Block until every child started so far reported in; their info by name. Raises
+        RuntimeError if one failed."""
+        infos = self.infos
         deadline = time.monotonic() + CHILD_START_TIMEOUT_S
         while len(infos) < len(self.procs):
             if self.stopping or time.monotonic() > deadline:
@@ -95,7 +111,7 @@ class Launcher:
                     if "error" in msg:
                         raise RuntimeError(f"the {name} process failed to start: {msg['error']}")
                     infos[name] = msg["info"]
-                elif not self.procs[name].is_alive():
+                elif not self.procs[name].is_alive() and not conn.poll(0):
                     raise RuntimeError(
                         f"the {name} process exited during start-up (exit code {self.procs[name].exitcode})"
                     )
@@ -120,102 +136,43 @@ class Launcher:
         self.ports.cleanup()
 
 
-class ServerRuntime:
-    """What the HTTP app serves with, and the server's life: starting -> ready -> (dead) -> exit."""
+class MainRuntime(ServerRuntime):
+    """Tokenizer worker 0, in the main process: it waits for the children, starts the other
+    tokenizer workers, prints the ready line once every worker can serve, and fails when any child
+    dies."""
 
     def __init__(self, args: ServerArgs, launcher: Launcher, tokenizer, model_name: str):
-        self.args, self.launcher, self.tokenizer, self.model_name = args, launcher, tokenizer, model_name
-        self.created = int(time.time())
-        self.tm: TokenizerManager | None = None
-        self.ready = False
-        self.exit_code = 0
-        self.uvicorn: uvicorn.Server | None = None
+        super().__init__(args, launcher.ports, tokenizer, model_name)
+        self.launcher = launcher
 
-    async def run(self) -> None:
-        try:
-            infos = await asyncio.to_thread(self.launcher.wait_ready)
-            # Every child's pid by name (scheduler, scheduler-tp1, ..., detokenizer), for /get_server_info.
-            info = {**infos["scheduler"], "processes": {name: i.get("pid") for name, i in infos.items()}}
-            self.tm = make_tokenizer_manager(self.args, self.tokenizer, self.launcher.ports, info)
-            loop_task = asyncio.create_task(self.tm.handle_loop())
-            while not await self.tm.generate_one_token(timeout=WARM_UP_TIMEOUT_S):  # warm-up, proves the path
-                if self._failure(loop_task):
-                    break
-                logger.warning("the warm-up generation did not finish in %.0f s; trying again", WARM_UP_TIMEOUT_S)
-        except RuntimeError as e:
-            logger.error("%s", e)
-            return self._exit(1)
-        except Exception:  # a bug: say so and exit, rather than stay "starting" with a dead task
-            logger.exception("start-up failed")
-            return self._exit(1)
-        self.ready = self._failure(loop_task) is None
-        if self.ready:
-            info = infos["scheduler"]
-            print(
-                f"{READY_LINE} at http://{self.args.host}:{self.args.port} (model {self.model_name}, "
-                f"{info['device']}, {info['dtype']}, KV pool {info['limits']['max_total_tokens']} tokens)",
-                flush=True,
-            )
-        await self._watch(loop_task)
+    async def scheduler_info(self) -> dict[str, Any]:
+        infos = await asyncio.to_thread(self.launcher.wait_ready)
+        # Every child's pid by name (scheduler, scheduler-tp1, ..., detokenizer), for /get_server_info.
+        self.infos = infos
+        info = {**infos["scheduler"], "processes": {name: i.get("pid") for name, i in infos.items()}}
+        self.launcher.start_http_workers(info)
+        return info
 
-    def _failure(self, loop_task: asyncio.Task) -> str | None:
-        """Why the server cannot serve (a child died, the receive loop stopped), or None."""
-        reason = self.launcher.dead_child()
-        if reason is None and loop_task.done():
-            reason = f"the receive loop stopped: {loop_task.exception()!r}"
-        return reason
+    async def announce(self) -> None:
+        await asyncio.to_thread(self.launcher.wait_ready)  # the other tokenizer workers
+        info = self.infos["scheduler"]
+        workers = f", {self.args.tokenizer_worker_num} tokenizer workers" if self.args.tokenizer_worker_num > 1 else ""
+        print(
+            f"{READY_LINE} at http://{self.args.host}:{self.args.port} (model {self.model_name}, "
+            f"{info['device']}, {info['dtype']}, KV pool {info['limits']['max_total_tokens']} tokens{workers})",
+            flush=True,
+        )
 
-    async def _watch(self, loop_task: asyncio.Task) -> None:
-        """Until shutdown: once the server cannot serve, fail what is in flight and exit non-zero."""
-        while (reason := self._failure(loop_task)) is None:
-            await asyncio.sleep(WATCH_INTERVAL_S)
-        logger.error("%s; failing in-flight requests and shutting down", reason)
-        self.tm.fail_all(reason)
-        await asyncio.sleep(DEATH_GRACE_S)
-        self._exit(1)
+    def failure(self) -> str | None:
+        return self.launcher.dead_child()
 
-    def _exit(self, code: int) -> None:
-        self.exit_code = code
-        if self.uvicorn is not None:
-            self.uvicorn.should_exit = True
+    def on_failure(self) -> None:
+        self.launcher.stop_http_workers()  # they fail their requests in flight as they stop
 
     def save_trace(self) -> None:
         if self.args.trace_file and self.tm is not None and self.tm.tracer is not None:
             path = self.tm.tracer.save_perfetto(Path(self.args.trace_file))
             logger.info("trace written to %s (open it in https://ui.perfetto.dev)", path)
-
-
-def make_tokenizer_manager(args: ServerArgs, tokenizer, ports: PortArgs, scheduler_info: dict) -> TokenizerManager:
-    """The HTTP side's TokenizerManager for these args: the queue cap (--max-queued-requests beyond
-    --max-running-requests per replica; none by default), a Tracer when tracing, and the routing to
-    the --dp-size replicas."""
-    running = args.engine.max_running_requests * args.dp_size
-    cap = None if args.max_queued_requests is None else running + args.max_queued_requests
-    tracer = Tracer() if args.engine.enable_trace else None
-    return TokenizerManager(
-        tokenizer, ports, scheduler_info, cap, tracer, dp_size=args.dp_size, load_balance=args.load_balance_method
-    )
-
-
-def model_name_of(args: ServerArgs) -> str:
-    if args.served_model_name:
-        return args.served_model_name
-    return args.engine.model_path or EMBEDDED_MODEL_NAME
-
-
-class _UvicornServer(uvicorn.Server):
-    """uvicorn's server, ending the requests in flight first when it shuts down: each gets an error
-    (a stream its final error event), so no connection is left for the graceful shutdown to cancel."""
-
-    def __init__(self, runtime: ServerRuntime, config: uvicorn.Config):
-        super().__init__(config)
-        self.runtime = runtime
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        tm = self.runtime.tm
-        if tm is not None and not tm.dead:
-            tm.fail_all("the server is shutting down")
-        await super().shutdown(sockets)
 
 
 def replica_init_addr(cfg: EngineConfig, dp_rank: int) -> str:
@@ -244,7 +201,7 @@ def run_worker_node(args: ServerArgs) -> int:
     0); no HTTP. Exits when a rank exits (e.g. node 0 went away) or on Ctrl-C / SIGTERM."""
     launcher = Launcher(args)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _exit_cleanly)
+        signal.signal(sig, exit_cleanly)
     try:
         launcher.start_children()
         launcher.wait_ready()
@@ -272,10 +229,6 @@ def check_port_free(host: str, port: int) -> None:
         raise SystemExit(f"labkit server: cannot listen on {host}:{port}: {e.strerror}") from None
 
 
-def _exit_cleanly(signum, frame) -> None:
-    raise SystemExit(0)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = ServerArgs.from_cli(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints where it is
@@ -290,28 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     _, tokenizer = model_dir_and_tokenizer(args.engine)
     launcher = Launcher(args)
     launcher.start_children()
-    runtime = ServerRuntime(args, launcher, tokenizer, model_name_of(args))
-    server = _UvicornServer(
-        runtime,
-        uvicorn.Config(
-            create_app(runtime),
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=3,
-            # C event loop and HTTP parser: streaming pays them per chunk, in this one process
-            loop="uvloop",
-            http="httptools",
-            access_log=args.log_level == "debug",
-        ),
-    )
-    runtime.uvicorn = server
+    runtime = MainRuntime(args, launcher, tokenizer, model_name_of(args))
+    server = UvicornServer(runtime, uvicorn_config(create_app(runtime), args))
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with the previous
     # handler restored: make that handler a clean exit, so the children are still taken down below.
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _exit_cleanly)
+        signal.signal(sig, exit_cleanly)
     try:
-        server.run()
+        serve(server, args)
     except SystemExit:
         pass
     finally:

@@ -1,5 +1,5 @@
-"""Prometheus metrics in the text exposition format (kept in the main process; small enough that
-a dependency would not pay for itself)."""
+"""Prometheus metrics in the text exposition format (small enough that a dependency would not pay
+for itself). Each tokenizer worker keeps its own; /metrics adds up every worker's snapshot."""
 
 from __future__ import annotations
 
@@ -60,6 +60,29 @@ class ServerMetrics:
     def inc(self, name: str, value: int = 1) -> None:
         self.counters[name] += value
 
+    def histograms(self) -> tuple[Histogram, ...]:
+        return (self.ttft, self.itl, self.e2e)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counters and histograms as plain data (what a tokenizer worker sends its peers)."""
+        return {
+            "counters": dict(self.counters),
+            "histograms": {h.name: {"counts": list(h.counts), "sum": h.sum} for h in self.histograms()},
+        }
+
+    @classmethod
+    def total(cls, snapshots: list[dict[str, Any]]) -> ServerMetrics:
+        """The sum of several workers' snapshots."""
+        out = cls()
+        for snap in snapshots:
+            for name, value in snap["counters"].items():
+                out.counters[name] += value
+            for h in out.histograms():
+                theirs = snap["histograms"][h.name]
+                h.counts = [a + b for a, b in zip(h.counts, theirs["counts"])]
+                h.sum += theirs["sum"]
+        return out
+
     def render(self, gauges: dict[str, tuple[str, float]]) -> str:
         """The exposition text; `gauges` maps name -> (help, value) as of now (from the scheduler)."""
         lines: list[str] = []
@@ -71,7 +94,7 @@ class ServerMetrics:
                 f"# TYPE {PREFIX}{name} counter",
                 f"{PREFIX}{name} {self.counters[name]}",
             ]
-        for hist in (self.ttft, self.itl, self.e2e):
+        for hist in self.histograms():
             lines += hist.render()
         return "\n".join(lines) + "\n"
 

@@ -72,7 +72,7 @@ def run_scheduler_process(
             place.tp_rank, config.tp_size, place.init_addr, device, config.dist_timeout, ep_size=config.ep_size
         )
         if tp.is_leader:
-            loop = SchedulerLoop.create(config, ports, tp, place.dp_rank)
+            loop = SchedulerLoop.create(config, ports, tp, place.dp_rank, args.tokenizer_worker_num)
         else:
             loop, follower = None, Scheduler.from_config(config, _tracer(config), tp)
     except Exception as e:  # report why start-up failed, then exit
@@ -96,21 +96,22 @@ def _tracer(config: EngineConfig) -> Tracer | None:
 class SchedulerLoop:
     """The scheduler's event loop: its Scheduler and the ZMQ sockets it reads and writes."""
 
-    def __init__(self, scheduler: Scheduler, ports: PortArgs, dp_rank: int = 0):
+    def __init__(self, scheduler: Scheduler, ports: PortArgs, dp_rank: int = 0, workers: int = 1):
         self.scheduler = scheduler
         self.ctx = zmq.Context()
         self.recv_from_tokenizer = pull_socket(self.ctx, ports.scheduler_ipc_of(dp_rank))
         self.send_to_detokenizer = push_socket(self.ctx, ports.detokenizer_ipc)
-        self.send_to_tokenizer = push_socket(self.ctx, ports.tokenizer_ipc)
+        # Control replies go straight to the asking tokenizer worker.
+        self.send_to_tokenizer = [push_socket(self.ctx, ports.tokenizer_ipc_of(w)) for w in range(workers)]
         self.decoder = msgspec.msgpack.Decoder(ToScheduler)
 
     @classmethod
     def create(
-        cls, config: EngineConfig, ports: PortArgs, tp: TPGroup | None = None, dp_rank: int = 0
+        cls, config: EngineConfig, ports: PortArgs, tp: TPGroup | None = None, dp_rank: int = 0, workers: int = 1
     ) -> SchedulerLoop:
         """Load the model and build the scheduler (with a tracer if config.enable_trace), bound to
-        `ports` as replica `dp_rank`'s scheduler (rank 0 of `tp`)."""
-        return cls(Scheduler.from_config(config, _tracer(config), tp), ports, dp_rank)
+        `ports` as replica `dp_rank`'s scheduler (rank 0 of `tp`), serving `workers` tokenizer workers."""
+        return cls(Scheduler.from_config(config, _tracer(config), tp), ports, dp_rank, workers)
 
     def close(self) -> None:
         """Close the sockets (the process's exit does it in the server)."""
@@ -162,11 +163,12 @@ class SchedulerLoop:
                 self.scheduler.add_request(msg)
             except ValueError as e:  # the TokenizerManager validates first; this is the safety net
                 reason = {"type": "abort", "matched": None, "message": str(e)}
-                self._send(BatchTokenIDOutput(outputs=[ReqOutput(rid=msg.rid, token_ids=[], finish_reason=reason)]))
+                refused = ReqOutput(rid=msg.rid, token_ids=[], finish_reason=reason, worker=msg.worker)
+                self._send(BatchTokenIDOutput(outputs=[refused]))
         elif isinstance(msg, AbortReq):
             self.scheduler.abort_request(msg.rid)
         elif isinstance(msg, ControlReq):
-            self.send_to_tokenizer.send(ENCODER.encode(self.control(msg)))
+            self.send_to_tokenizer[msg.worker].send(ENCODER.encode(self.control(msg)))
 
     def control(self, req: ControlReq) -> ControlOutput:
         s = self.scheduler

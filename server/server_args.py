@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import socket
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,13 @@ class ServerArgs:
     load_balance_method: str = field(
         default="round_robin", metadata={"help": "how requests are routed to the --dp-size replicas"}
     )
+    tokenizer_worker_num: int = field(
+        default=1,
+        metadata={
+            "help": "HTTP processes, each with its own TokenizerManager, sharing the port (Linux SO_REUSEPORT): "
+            "more than one when a single process's HTTP and streaming work limits throughput"
+        },
+    )
     incremental_streaming_output: bool = field(
         default=False,
         metadata={
@@ -86,6 +95,13 @@ class ServerArgs:
             raise SystemExit("--max-queued-requests must be >= 0")
         if self.dp_size < 1:
             raise SystemExit("--dp-size must be >= 1")
+        if self.tokenizer_worker_num < 1:
+            raise SystemExit("--tokenizer-worker-num must be >= 1")
+        if self.tokenizer_worker_num > 1:
+            if self.trace_file is not None:
+                raise SystemExit("--trace-file records one process's requests: use --tokenizer-worker-num 1")
+            if not hasattr(socket, "SO_REUSEPORT") or not sys.platform.startswith("linux"):
+                raise SystemExit("--tokenizer-worker-num > 1 shares the port with SO_REUSEPORT, which needs Linux")
         try:
             check_parallel(self.engine)
         except ValueError as e:

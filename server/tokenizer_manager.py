@@ -3,13 +3,19 @@ rid -> ReqState, and hands each request's outputs to the HTTP handler waiting on
 
 `submit` checks and sends a request (raising before any response is started, so bad input becomes a
 4xx); `stream` yields its outputs as they arrive and aborts it in the scheduler if the consumer
-goes away first (client disconnect, cancellation)."""
+goes away first (client disconnect, cancellation).
+
+With --tokenizer-worker-num N there are N of these, one per HTTP process (worker 0 in the main
+process). Each owns the requests it submitted; every message it sends names its worker, so that the
+outputs and replies come back to it. What spans workers (an abort by id, metrics, requests in flight)
+it asks the others for with a PeerReq."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +33,7 @@ from labkit.io_struct import (
     ControlOutput,
     ControlReq,
     GenerateReqInput,
+    PeerReq,
     ReqOutput,
     TokenizedGenerateReqInput,
     ToTokenizer,
@@ -41,6 +48,7 @@ from labkit.trace.recorder import Tracer
 logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
 ABORT_CONFIRM_S = 5.0  # how long `abort` waits for the scheduler's answer (one step, normally)
+PEER_TIMEOUT_S = ABORT_CONFIRM_S + 5.0  # how long a question to the other tokenizer workers may take
 
 
 class QueueFullError(Exception):
@@ -77,8 +85,11 @@ class TokenizerManager:
         tracer: Tracer | None = None,
         dp_size: int = 1,
         load_balance: str = "round_robin",
+        worker: int = 0,
+        workers: int = 1,
     ):
         self.tokenizer = tokenizer
+        self.worker = worker
         self.limits = RequestLimits(**info["limits"])
         # Longer text prompts cannot fit the context whatever their tokens: refused before tokenizing.
         self.max_prompt_chars = None if tokenizer is None else self.limits.context_len * max_chars_per_token(tokenizer)
@@ -94,8 +105,12 @@ class TokenizerManager:
         # One scheduler per data-parallel replica; the controller picks each request's.
         self._sends = [push_socket(zmq.Context.instance(), ports.scheduler_ipc_of(d)) for d in range(dp_size)]
         self.dp = DataParallelController(dp_size, load_balance)
-        self._recv = pull_socket(zmq.asyncio.Context.instance(), ports.tokenizer_ipc)
+        self._recv = pull_socket(zmq.asyncio.Context.instance(), ports.tokenizer_ipc_of(worker))
         self._decoder = msgspec.msgpack.Decoder(ToTokenizer)
+        self._peers = {
+            w: push_socket(zmq.Context.instance(), ports.tokenizer_ipc_of(w)) for w in range(workers) if w != worker
+        }
+        self._answering: set[asyncio.Task] = set()  # peers' questions being answered (kept referenced)
 
     # ---- requests -----------------------------------------------------------------------------
     async def submit(
@@ -143,6 +158,7 @@ class TokenizerManager:
         encoded = []
         for req, rid in zip(reqs, rids):
             tok = tokenize_request(self.tokenizer, req, rid, self.limits, self.tracer, self.max_prompt_chars)
+            tok.worker = self.worker
             encoded.append((tok, ENCODER.encode(tok)))
         return encoded
 
@@ -192,8 +208,15 @@ class TokenizerManager:
         return True
 
     async def abort(self, rid: str, timeout: float = ABORT_CONFIRM_S) -> list[str]:
-        """Abort the request `rid`, or every choice of the OpenAI response `rid`. Returns the rids the
-        scheduler aborted (within `timeout`): not those that finished first."""
+        """Abort the request `rid`, or every choice of the OpenAI response `rid`, whichever tokenizer
+        worker has it. Returns the rids the scheduler aborted (within `timeout`): not those that
+        finished first."""
+        mine, theirs = await asyncio.gather(
+            self._abort_own(rid, timeout), self.ask_peers("abort", rid, timeout=timeout + PEER_TIMEOUT_S)
+        )
+        return mine + [r for answer in theirs for r in answer.data["aborted"]]
+
+    async def _abort_own(self, rid: str, timeout: float) -> list[str]:
         states = [s for r, s in self.rid_to_state.items() if r == rid or s.group == rid]
         for state in states:
             self.abort_request(state.rid)
@@ -235,23 +258,70 @@ class TokenizerManager:
     async def control(self, action: str, timeout: float = 30.0) -> ControlOutput:
         """Ask every replica's scheduler; one answer (with data parallelism: ok if all are, their
         data merged by merge_replica_info, each replica's under "replicas")."""
-        if self.dead:
-            raise ServerDeadError(self.dead)
-        req_ids = [uuid.uuid4().hex for _ in self._sends]
-        loop = asyncio.get_running_loop()
-        futures = [self._control.setdefault(r, loop.create_future()) for r in req_ids]
-        for req_id, sock in zip(req_ids, self._sends):
-            sock.send(ENCODER.encode(ControlReq(req_id=req_id, action=action)))
-        try:
-            outs = await asyncio.wait_for(asyncio.gather(*futures), timeout)
-        finally:
-            for req_id in req_ids:
-                self._control.pop(req_id, None)
+        questions = [(sock, ControlReq(req_id="", action=action, worker=self.worker)) for sock in self._sends]
+        outs = await self._ask(questions, timeout)
         if len(outs) == 1:
             return outs[0]
         failed = [o.message for o in outs if not o.ok]
         data = merge_replica_info([o.data for o in outs]) if action == "get_info" else {}
-        return ControlOutput(req_id=req_ids[0], ok=not failed, data=data, message="; ".join(failed))
+        return ControlOutput(req_id=outs[0].req_id, ok=not failed, data=data, message="; ".join(failed))
+
+    async def _ask(self, questions: list[tuple[zmq.Socket, ControlReq | PeerReq]], timeout: float) -> list:
+        """Send each (socket, message) under a fresh req_id and wait for every ControlOutput answer,
+        in order. Raises asyncio.TimeoutError, or ServerDeadError once serving stopped."""
+        if self.dead:
+            raise ServerDeadError(self.dead)
+        loop = asyncio.get_running_loop()
+        req_ids = []
+        for sock, msg in questions:
+            msg.req_id = uuid.uuid4().hex
+            req_ids.append(msg.req_id)
+            self._control[msg.req_id] = loop.create_future()
+            sock.send(ENCODER.encode(msg))
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(self._control[r] for r in req_ids)), timeout)
+        finally:
+            for req_id in req_ids:
+                self._control.pop(req_id, None)
+
+    # ---- the other tokenizer workers ------------------------------------------------------------
+    async def ask_peers(self, action: str, rid: str = "", timeout: float = PEER_TIMEOUT_S) -> list[ControlOutput]:
+        """Every other tokenizer worker's answer to `action` (see PeerReq); [] with one worker."""
+        if not self._peers:
+            return []
+        questions = [
+            (sock, PeerReq(req_id="", worker=self.worker, action=action, rid=rid)) for sock in self._peers.values()
+        ]
+        return await self._ask(questions, timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """This worker's part of the server's figures (a PeerReq "stats" answer)."""
+        return {
+            "worker": self.worker,
+            "pid": os.getpid(),
+            "in_flight": len(self.rid_to_state),
+            "metrics": self.metrics.snapshot(),
+            "dp_routed_requests": self.dp.routed_counts,
+        }
+
+    async def all_stats(self) -> list[dict[str, Any]]:
+        """Every tokenizer worker's stats, this one's first."""
+        return [self.stats(), *(answer.data for answer in await self.ask_peers("stats"))]
+
+    def _answer_peer(self, req: PeerReq) -> None:
+        async def answer() -> None:
+            out = ControlOutput(req_id=req.req_id, ok=True)
+            if req.action == "abort":
+                out.data = {"aborted": await self._abort_own(req.rid, ABORT_CONFIRM_S)}
+            elif req.action == "stats":
+                out.data = self.stats()
+            else:
+                out.ok, out.message = False, f"unknown action {req.action!r}"
+            self._peers[req.worker].send(ENCODER.encode(out))
+
+        task = asyncio.create_task(answer())
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
 
     # ---- the receive loop -----------------------------------------------------------------------
     async def handle_loop(self) -> None:
@@ -263,6 +333,8 @@ class TokenizerManager:
                     future.set_result(msg)
             elif isinstance(msg, BatchStrOutput):
                 self._dispatch(msg)
+            elif isinstance(msg, PeerReq):
+                self._answer_peer(msg)
 
     def _dispatch(self, batch: BatchStrOutput) -> None:
         now = time.perf_counter()
@@ -302,7 +374,7 @@ class TokenizerManager:
 
     def close(self) -> None:
         """Close the sockets (the process's exit does it in the server)."""
-        for sock in self._sends:
+        for sock in [*self._sends, *self._peers.values()]:
             sock.close(linger=0)
         self._recv.close(linger=0)
 

@@ -36,7 +36,7 @@ class SchedulerOutputProcessorMixin:
             req = reqs[rid]
             params = req.sampling_params
             new = out.new_token_ids.get(rid, [])
-            o = ReqOutput(rid=rid, token_ids=new, cached_tokens=req.cached_tokens)
+            o = ReqOutput(rid=rid, token_ids=new, cached_tokens=req.cached_tokens, worker=req.worker)
             if rid in out.drafts:
                 o.spec_draft_tokens, o.spec_accepted_tokens = len(out.drafts[rid]), out.accepted[rid]
             if params.return_logprob and new:

@@ -50,6 +50,7 @@ class Req(Summarized):
     origin_input_ids: list[int]
     sampling_params: SamplingParams
     input_text: str | None = None
+    worker: int = 0  # the server's tokenizer worker that sent it, where its outputs go
     output_ids: list[int] = field(default_factory=list)
     # Memory (see module docstring)
     req_pool_idx: int | None = None

@@ -180,6 +180,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin, SchedulerT
             origin_input_ids=list(recv.input_ids),
             sampling_params=params,
             input_text=recv.input_text,
+            worker=recv.worker,
             grammar=self._new_matcher(params.grammar) if params.grammar is not None else None,
         )
         if recv.created_time:

@@ -28,15 +28,17 @@ class DetokenizerManager:
     def __init__(self, tokenizer: Any, tracer: Tracer | None = None):
         self.tokenizer = tokenizer
         self.tracer = tracer
-        self.decode_status: dict[str, IncrementalDetokenizer] = {}
+        # By (tokenizer worker, rid): each worker keeps its own rids unique, not all of them together.
+        self.decode_status: dict[tuple[int, str], IncrementalDetokenizer] = {}
 
     def handle(self, batch: BatchTokenIDOutput) -> BatchStrOutput:
         for out in batch.outputs:
             start = time.perf_counter()
-            detok = self.decode_status.get(out.rid)
+            key = (out.worker, out.rid)
+            detok = self.decode_status.get(key)
             if detok is None and out.detokenize is not None and self.tokenizer is not None:
                 p = out.detokenize
-                detok = self.decode_status[out.rid] = IncrementalDetokenizer(
+                detok = self.decode_status[key] = IncrementalDetokenizer(
                     self.tokenizer,
                     stop=p.stop,
                     skip_special_tokens=p.skip_special_tokens,
@@ -46,7 +48,7 @@ class DetokenizerManager:
             if out.finish_reason is not None:
                 if detok is not None:
                     piece += detok.finish()
-                self.decode_status.pop(out.rid, None)
+                self.decode_status.pop(key, None)
             out.text, out.detokenize = piece, None
             if self.tracer is not None:
                 self.tracer.station(

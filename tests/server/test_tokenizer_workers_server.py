@@ -1,0 +1,109 @@
+"""The real server with two tokenizer workers (--tokenizer-worker-num 2) on the tiny model with the
+embedded tokenizer: both share the port and serve, each request's answer is the same whichever
+worker takes it, an abort or /metrics asked of one worker covers the other's requests, nothing
+leaks, and a worker that dies takes the server down."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from server_process import wait_idle
+
+from labkit.server.metrics import parse_metrics
+from labkit.server.process import ServerProcess, start_server
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["The capital of France", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 4,"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_vocab_config, embedded_dir):
+    s = start_server(
+        "--model-path", tiny_vocab_config, "--load-format", "dummy", "--tokenizer-path", str(embedded_dir),
+        "--max-total-tokens", "8192", "--tokenizer-worker-num", "2", "--served-model-name", "tiny",
+        "--enable-metrics", "--log-level", "warning",
+    )  # fmt: skip
+    yield s
+    assert s.stop() == 0
+
+
+def client_on_worker(server: ServerProcess, worker: int) -> httpx.Client:
+    """A client whose one keep-alive connection the kernel gave to `worker`."""
+    for _ in range(64):
+        client = httpx.Client(base_url=server.url, timeout=60, limits=httpx.Limits(max_connections=1))
+        if client.get("/get_server_info").json()["tokenizer_worker"] == worker:
+            return client
+        client.close()
+    raise AssertionError(f"64 connections and none went to worker {worker}")
+
+
+def completion(url: str, prompt: str) -> str:
+    """One greedy completion on a connection of its own (so the kernel picks the worker anew)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=60) as client:
+        r = client.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_both_workers_serve_and_every_prompt_gets_one_answer(server):
+    # Ready means every worker is: fresh connections, which the kernel spreads over both, all get 200.
+    assert [httpx.get(server.url + "/health").status_code for _ in range(16)] == [200] * 16
+    info = server.info()
+    workers = info["tokenizer_workers"]
+    assert [w["worker"] for w in workers] == [0, 1]
+    assert workers[0]["pid"] == server.proc.pid and workers[1]["pid"] in server.child_pids()
+    before = [w["requests_total"] for w in workers]
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(functools.partial(completion, server.url), PROMPTS * 8))
+    for i, prompt in enumerate(PROMPTS):  # greedy: the same text whichever worker answered
+        assert len({texts[j] for j in range(i, len(texts), len(PROMPTS))}) == 1, prompt
+    after = [w["requests_total"] for w in wait_idle(server)["tokenizer_workers"]]
+    served = [a - b for a, b in zip(after, before)]
+    assert sum(served) == 32 and min(served) > 0  # both took some: the odds of not are 2 in 2**32
+    samples = {s["name"]: s["value"] for s in parse_metrics(server.get("/metrics").text)}
+    assert samples["labkit:requests_total"] == sum(after)  # one scrape, every worker's count
+
+
+@pytest.mark.parametrize("owner, asked", [(0, 1), (1, 0)])
+def test_an_abort_asked_of_one_worker_aborts_the_others_request(server, owner, asked):
+    rid = f"long-{owner}"
+    body = {"input_ids": [1, 2, 3], "rid": rid, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    mine, other = client_on_worker(server, owner), client_on_worker(server, asked)
+    result: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: result.append(mine.post("/generate", json=body, timeout=120)))
+    try:
+        thread.start()
+        while other.get("/get_server_info").json()["in_flight"] == 0:  # counted over both workers
+            pass
+        assert other.post("/abort_request", json={"rid": rid}).json() == {"aborted": [rid]}
+        thread.join(timeout=60)
+    finally:
+        mine.close()
+        other.close()
+    assert result[0].json()["meta_info"]["finish_reason"] == "abort"
+    wait_idle(server)
+
+
+def test_a_killed_worker_takes_the_server_down(tiny_vocab_config, embedded_dir):
+    server = start_server(
+        "--model-path", tiny_vocab_config, "--load-format", "dummy", "--tokenizer-path", str(embedded_dir),
+        "--max-total-tokens", "4096", "--tokenizer-worker-num", "3", "--log-level", "warning",
+    )  # fmt: skip
+    try:
+        workers = server.info()["tokenizer_workers"]
+        assert len({w["pid"] for w in workers}) == 3
+        os.kill(workers[2]["pid"], signal.SIGKILL)
+        code = server.proc.wait(timeout=30)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    assert code == 1
+    assert "the http-2 process died" in "".join(server.output)
+    server.stop()  # raises if a child outlived it
