@@ -4,9 +4,9 @@
 Start-up: resolve the model here (the embedded GGUF is converted once, before any child needs it),
 spawn the children, and serve at once (503 until they are up). Ready: both children report in, the
 other tokenizer workers start, and a one-token generation passes in every HTTP process; one line is
-printed. Shutdown: Ctrl-C / SIGTERM stop uvicorn, then the
-children are terminated (and killed if they linger) and the socket directory is removed. A child
-that dies makes every in-flight request fail, /health answer 503, and the server exit non-zero."""
+printed. Shutdown: Ctrl-C / SIGTERM stop uvicorn, then the children are terminated (and killed if
+they linger) and the socket directory is removed. A child that dies makes every in-flight request
+fail, /health answer 503, and the server exit non-zero."""
 
 from __future__ import annotations
 
@@ -148,14 +148,13 @@ class MainRuntime(ServerRuntime):
     async def scheduler_info(self) -> dict[str, Any]:
         infos = await asyncio.to_thread(self.launcher.wait_ready)
         # Every child's pid by name (scheduler, scheduler-tp1, ..., detokenizer), for /get_server_info.
-        self.infos = infos
         info = {**infos["scheduler"], "processes": {name: i.get("pid") for name, i in infos.items()}}
         self.launcher.start_http_workers(info)
         return info
 
     async def announce(self) -> None:
         await asyncio.to_thread(self.launcher.wait_ready)  # the other tokenizer workers
-        info = self.infos["scheduler"]
+        info = self.launcher.infos["scheduler"]
         workers = f", {self.args.tokenizer_worker_num} tokenizer workers" if self.args.tokenizer_worker_num > 1 else ""
         print(
             f"{READY_LINE} at http://{self.args.host}:{self.args.port} (model {self.model_name}, "
