@@ -6,6 +6,7 @@ leaks, and a worker that dies takes the server down."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import threading
@@ -23,12 +24,17 @@ PROMPTS = ["The capital of France", "Once upon a time", "def fibonacci(n):", "1,
 
 
 @pytest.fixture(scope="module")
-def server(tiny_vocab_config, embedded_dir):
-    s = start_server(
+def server_args(tiny_vocab_config, embedded_dir) -> list[str]:
+    """The tiny model with the embedded tokenizer."""
+    return [
         "--model-path", tiny_vocab_config, "--load-format", "dummy", "--tokenizer-path", str(embedded_dir),
-        "--max-total-tokens", "8192", "--tokenizer-worker-num", "2", "--served-model-name", "tiny",
-        "--enable-metrics", "--log-level", "warning",
-    )  # fmt: skip
+        "--max-total-tokens", "8192", "--served-model-name", "tiny", "--log-level", "warning",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(server_args):
+    s = start_server(*server_args, "--tokenizer-worker-num", "2", "--enable-metrics")
     yield s
     assert s.stop() == 0
 
@@ -91,11 +97,44 @@ def test_an_abort_asked_of_one_worker_aborts_the_others_request(server, owner, a
     wait_idle(server)
 
 
-def test_a_killed_worker_takes_the_server_down(tiny_vocab_config, embedded_dir):
-    server = start_server(
-        "--model-path", tiny_vocab_config, "--load-format", "dummy", "--tokenizer-path", str(embedded_dir),
-        "--max-total-tokens", "4096", "--tokenizer-worker-num", "3", "--log-level", "warning",
-    )  # fmt: skip
+def test_ctrl_c_ends_every_workers_streams_with_an_error_event_and_exits_quietly(server_args):
+    """Ctrl-C at a terminal reaches every process of its group: the main process shuts down, the
+    other worker leaves that to it, and the streams on both end with the error event."""
+    server = start_server(*server_args, "--tokenizer-worker-num", "2")
+    body = {"input_ids": [1, 2, 3], "stream": True, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    clients = [client_on_worker(server, w) for w in (0, 1)]
+    ends: list[list[str]] = [[], []]
+
+    def read(w: int, started: threading.Event) -> None:
+        with clients[w].stream("POST", "/generate", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    ends[w].append(line[len("data: ") :])
+                    started.set()
+
+    started = [threading.Event(), threading.Event()]
+    readers = [threading.Thread(target=read, args=(w, started[w])) for w in (0, 1)]
+    try:
+        for reader, event in zip(readers, started):
+            reader.start()
+            assert event.wait(60)
+        for w in server.info()["tokenizer_workers"]:  # as the terminal sends it: to each process
+            os.kill(w["pid"], signal.SIGINT)
+        for reader in readers:
+            reader.join(timeout=60)
+    finally:
+        for client in clients:
+            client.close()
+        code = server.stop()
+    for events in ends:
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_unavailable"
+    assert code == 0
+    printed = "".join(server.output)
+    assert "Traceback" not in printed and "CancelledError" not in printed, printed
+
+
+def test_a_killed_worker_takes_the_server_down(server_args):
+    server = start_server(*server_args, "--tokenizer-worker-num", "3")
     try:
         workers = server.info()["tokenizer_workers"]
         assert len({w["pid"] for w in workers}) == 3
