@@ -58,7 +58,8 @@ class ControlReq(msgspec.Struct, kw_only=True, tag=True):
 
 class PeerReq(msgspec.Struct, kw_only=True, tag=True):
     """A tokenizer worker's question to another (--tokenizer-worker-num > 1): "abort" (`rid`, as
-    /abort_request) or "stats" (its metrics and requests in flight). Answered with a ControlOutput."""
+    /abort_request), "in_use" (is `rid` in flight there) or "stats" (its metrics and requests in
+    flight). Answered with a ControlOutput."""
 
     req_id: str
     worker: int  # the asking worker, where the answer goes

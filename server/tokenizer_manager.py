@@ -121,6 +121,8 @@ class TokenizerManager:
         QueueFullError (503) or ServerDeadError (503)."""
         self._check_capacity(len(reqs), probe)
         rids = [req.rid or uuid.uuid4().hex for req in reqs]
+        if group is None and not probe:  # OpenAI choices' and probes' rids are made here from uuid4
+            await self._check_peers_free([req.rid for req in reqs if req.rid])
         # Tokenizing costs CPU time in proportion to the prompt: a worker thread does it (the fast
         # tokenizers release the GIL), so the event loop keeps serving other requests meanwhile.
         # Token-id prompts are only checked, which costs less than the hop to a thread.
@@ -142,6 +144,18 @@ class TokenizerManager:
             if self.tracer is not None:
                 self.tracer.station(tok.rid, Station.ZMQ_SEND, tok.created_time, now, message_bytes=len(msg))
         return states
+
+    async def _check_peers_free(self, given_rids: list[str]) -> None:
+        """ValueError if another tokenizer worker has one of these client-given rids in flight. Two
+        workers taking the same rid at once are left to the scheduler, which refuses the second:
+        that client gets an abort instead of the 400."""
+        for rid in given_rids:
+            try:
+                answers = await self.ask_peers("in_use", rid)
+            except asyncio.TimeoutError:
+                raise ServerDeadError("the other tokenizer workers did not answer") from None
+            if any(a.data["in_use"] for a in answers):
+                raise ValueError(f"request id {rid!r} is already in use")
 
     def _check_capacity(self, n: int, probe: bool) -> None:
         if self.dead:
@@ -315,6 +329,8 @@ class TokenizerManager:
                 out.data = {"aborted": await self._abort_own(req.rid, ABORT_CONFIRM_S)}
             elif req.action == "stats":
                 out.data = self.stats()
+            elif req.action == "in_use":
+                out.data = {"in_use": req.rid in self.rid_to_state}
             else:
                 out.ok, out.message = False, f"unknown action {req.action!r}"
             self._peers[req.worker].send(ENCODER.encode(out))

@@ -81,7 +81,7 @@ def make_workers(ports: PortArgs, n: int) -> list[TokenizerManager]:
     return [TokenizerManager(None, ports, INFO, None, worker=w, workers=n) for w in range(n)]
 
 
-def test_an_abort_reaches_the_worker_that_owns_the_request_and_stats_cover_every_worker(ports):
+def test_rids_aborts_and_stats_span_the_workers(ports):
     async def main():
         scheduler = pull_socket(zmq.Context.instance(), ports.scheduler_ipc)
         detokenizer = push_socket(zmq.Context.instance(), ports.tokenizer_ipc_of(2))  # as it would send
@@ -93,6 +93,9 @@ def test_an_abort_reaches_the_worker_that_owns_the_request_and_stats_cover_every
             [state] = await tms[2].submit([req])
             [sent] = recv_all(scheduler, decoder)
             assert (sent.rid, sent.worker) == ("r", 2)  # the scheduler learns whose it is
+            # A client-given rid is unique across the workers: the others refuse it while in flight.
+            with pytest.raises(ValueError, match="already in use"):
+                await tms[0].submit([req])
 
             # Worker 0 is asked to abort "r": worker 2 sends the AbortReq, and once the scheduler's
             # abort reaches it (routed by the output's worker), worker 0 names it.
@@ -104,6 +107,8 @@ def test_an_abort_reaches_the_worker_that_owns_the_request_and_stats_cover_every
             assert await abort == ["r"]
             assert state.finished and state.finish_reason["type"] == "abort"
             assert await tms[1].abort("nobody") == []
+            await tms[1].submit([req])  # "r" is free again once it finished
+            assert recv_all(scheduler, decoder)[0].worker == 1
 
             stats = await tms[1].all_stats()
             assert [s["worker"] for s in stats] == [1, 0, 2]

@@ -78,7 +78,7 @@ def test_both_workers_serve_and_every_prompt_gets_one_answer(server):
 
 
 @pytest.mark.parametrize("owner, asked", [(0, 1), (1, 0)])
-def test_an_abort_asked_of_one_worker_aborts_the_others_request(server, owner, asked):
+def test_a_rid_in_flight_on_one_worker_is_refused_and_aborted_by_the_other(server, owner, asked):
     rid = f"long-{owner}"
     body = {"input_ids": [1, 2, 3], "rid": rid, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
     mine, other = client_on_worker(server, owner), client_on_worker(server, asked)
@@ -88,6 +88,8 @@ def test_an_abort_asked_of_one_worker_aborts_the_others_request(server, owner, a
         thread.start()
         while other.get("/get_server_info").json()["in_flight"] == 0:  # counted over both workers
             pass
+        again = other.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 2}})
+        assert again.status_code == 400 and "already in use" in again.json()["error"]["message"]
         assert other.post("/abort_request", json={"rid": rid}).json() == {"aborted": [rid]}
         thread.join(timeout=60)
     finally:
