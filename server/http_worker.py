@@ -5,7 +5,6 @@ scheduler is up, and takes them down with the server; each exits if the main pro
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import sys
@@ -25,8 +24,6 @@ from labkit.server.runtime import (
     uvicorn_config,
 )
 from labkit.server.server_args import ServerArgs
-
-logger = logging.getLogger("labkit.server")
 
 
 class HTTPWorkerRuntime(ServerRuntime):

@@ -11,6 +11,7 @@ import logging
 import signal
 import socket
 import time
+from abc import ABC, abstractmethod
 from typing import Any
 
 import uvicorn
@@ -27,7 +28,7 @@ DEATH_GRACE_S = 2.0  # keep answering 503 this long after serving failed, then e
 WARM_UP_TIMEOUT_S = 60.0
 
 
-class ServerRuntime:
+class ServerRuntime(ABC):
     """What the HTTP app serves with (http_server.AppRuntime). A subclass says where the scheduler's
     info comes from (`scheduler_info`), what happens once this process can serve (`announce`), and
     why it no longer can (`failure`)."""
@@ -41,21 +42,22 @@ class ServerRuntime:
         self.exit_code = 0
         self.uvicorn: uvicorn.Server | None = None
 
+    @abstractmethod
     async def scheduler_info(self) -> dict[str, Any]:
         """The scheduler's info (limits, device, ...), once it is up. RuntimeError if it cannot start."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def announce(self) -> None:
         """This process's generation path works; `ready` is set once this returns. RuntimeError if
         the server as a whole cannot serve."""
-        raise NotImplementedError
 
+    @abstractmethod
     def failure(self) -> str | None:
         """Why the server can no longer serve (beyond this process's receive loop), or None."""
-        raise NotImplementedError
 
     def on_failure(self) -> None:
-        """Serving failed: what else to take down at once."""
+        """Serving failed: what else to take down at once (nothing, by default)."""
+        return None
 
     async def run(self) -> None:
         try:
