@@ -13,16 +13,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from labkit.model_loader.loader import model_dir_and_tokenizer
-from labkit.server.http_server import create_app
 from labkit.server.ipc import PortArgs, init_child, parent_alive
-from labkit.server.runtime import (
-    ServerRuntime,
-    UvicornServer,
-    exit_cleanly,
-    model_name_of,
-    serve,
-    uvicorn_config,
-)
+from labkit.server.runtime import ServerRuntime, exit_cleanly, model_name_of, serve
 from labkit.server.server_args import ServerArgs
 
 
@@ -52,16 +44,9 @@ def run_http_worker(
     init_child(f"http-{worker}", args.log_level)
     try:
         _, tokenizer = model_dir_and_tokenizer(args.engine)
-        runtime = HTTPWorkerRuntime(args, ports, tokenizer, worker, info, ready, parent_pid)
-        server = UvicornServer(runtime, uvicorn_config(create_app(runtime), args))
     except Exception as e:
         traceback.print_exc()
         ready.send({"error": f"{type(e).__name__}: {e}"})
         return
-    # uvicorn re-raises the SIGTERM it shut down on, with the previous handler: make that a clean exit.
     signal.signal(signal.SIGTERM, exit_cleanly)
-    try:
-        serve(server, args)
-    except SystemExit:
-        pass
-    sys.exit(runtime.exit_code if server.started else 1)  # not started: it could not bind
+    sys.exit(serve(HTTPWorkerRuntime(args, ports, tokenizer, worker, info, ready, parent_pid)))

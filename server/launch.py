@@ -28,19 +28,10 @@ from labkit.distributed.tp_worker import check_tp_shapes, free_local_addr
 from labkit.model_executor.model_runner import resolve_device
 from labkit.model_loader.loader import load_config, model_dir_and_tokenizer
 from labkit.server.detokenizer_process import run_detokenizer_process
-from labkit.server.http_server import create_app
 from labkit.server.http_worker import run_http_worker
 from labkit.server.ipc import PortArgs, remove_stale_ipc_dirs
 from labkit.server.process import READY_LINE
-from labkit.server.runtime import (
-    WATCH_INTERVAL_S,
-    ServerRuntime,
-    UvicornServer,
-    exit_cleanly,
-    model_name_of,
-    serve,
-    uvicorn_config,
-)
+from labkit.server.runtime import WATCH_INTERVAL_S, ServerRuntime, exit_cleanly, model_name_of, serve
 from labkit.server.scheduler_process import RankPlace, run_scheduler_process
 from labkit.server.server_args import ServerArgs
 
@@ -243,21 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     launcher = Launcher(args)
     launcher.start_children()
     runtime = MainRuntime(args, launcher, tokenizer, model_name_of(args))
-    server = UvicornServer(runtime, uvicorn_config(create_app(runtime), args))
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with the previous
-    # handler restored: make that handler a clean exit, so the children are still taken down below.
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # so the children are still taken down below
         signal.signal(sig, exit_cleanly)
     try:
-        serve(server, args)
-    except SystemExit:
-        pass
+        return serve(runtime)
     finally:
         launcher.shutdown()
         runtime.save_trace()
-    if runtime.exit_code == 0 and not server.started:
-        runtime.exit_code = 1  # could not bind the port, or start-up failed before serving
-    return runtime.exit_code
 
 
 if __name__ == "__main__":

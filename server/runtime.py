@@ -17,6 +17,7 @@ from typing import Any
 import uvicorn
 
 from labkit.model_loader.embedded import EMBEDDED_MODEL_NAME
+from labkit.server.http_server import create_app
 from labkit.server.ipc import PortArgs
 from labkit.server.server_args import ServerArgs
 from labkit.server.tokenizer_manager import TokenizerManager
@@ -155,20 +156,6 @@ class UvicornServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def uvicorn_config(app, args: ServerArgs) -> uvicorn.Config:
-    return uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=3,
-        # C event loop and HTTP parser: streaming pays them per chunk, in each HTTP process
-        loop="uvloop",
-        http="httptools",
-        access_log=args.log_level == "debug",
-    )
-
-
 def shared_listen_socket(host: str, port: int) -> socket.socket:
     """A socket bound to (host, port) with SO_REUSEPORT: each tokenizer worker binds its own, and
     the kernel spreads new connections over them (one shared socket would let whichever process
@@ -181,12 +168,35 @@ def shared_listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(server: UvicornServer, args: ServerArgs) -> None:
-    """Run `server` until it stops: on the port itself, or on this worker's SO_REUSEPORT socket."""
-    if args.tokenizer_worker_num == 1:
-        server.run()
-    else:
-        server.run(sockets=[shared_listen_socket(args.host, args.port)])
+def serve(runtime: ServerRuntime) -> int:
+    """Serve the app on `runtime` until uvicorn stops, on the port itself or on this worker's
+    SO_REUSEPORT socket; returns the exit code (1 also when it never started serving: the port could
+    not be bound, or start-up failed first). uvicorn shuts down gracefully on SIGINT / SIGTERM, then
+    re-raises the signal with the previous handler restored: the caller makes that handler
+    `exit_cleanly`, so its own clean-up still runs."""
+    args = runtime.args
+    server = UvicornServer(
+        runtime,
+        uvicorn.Config(
+            create_app(runtime),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=3,
+            # C event loop and HTTP parser: streaming pays them per chunk, in each HTTP process
+            loop="uvloop",
+            http="httptools",
+            access_log=args.log_level == "debug",
+        ),
+    )
+    try:
+        if args.tokenizer_worker_num == 1:
+            server.run()
+        else:
+            server.run(sockets=[shared_listen_socket(args.host, args.port)])
+    except SystemExit:
+        pass
+    return runtime.exit_code if server.started else 1
 
 
 def exit_cleanly(signum, frame) -> None:
