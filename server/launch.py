@@ -16,7 +16,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from labkit.server.detokenizer_process import run_detokenizer_process
 from labkit.server.http_worker import run_http_worker
 from labkit.server.ipc import PortArgs, remove_stale_ipc_dirs
 from labkit.server.process import READY_LINE
-from labkit.server.runtime import WATCH_INTERVAL_S, ServerRuntime, exit_cleanly, model_name_of, serve
+from labkit.server.runtime import WATCH_INTERVAL_S, ServerRuntime, bound_socket, exit_cleanly, model_name_of, serve
 from labkit.server.scheduler_process import RankPlace, run_scheduler_process
 from labkit.server.server_args import ServerArgs
 
@@ -212,9 +211,7 @@ def run_worker_node(args: ServerArgs) -> int:
 def check_port_free(host: str, port: int) -> None:
     """SystemExit with a clear message if (host, port) cannot be bound, e.g. another server has it."""
     try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-            s.bind((host, port))
+        bound_socket(host, port).close()
     except OSError as e:
         raise SystemExit(f"labkit server: cannot listen on {host}:{port}: {e.strerror}") from None
 

@@ -156,15 +156,19 @@ class UvicornServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def shared_listen_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to (host, port) with SO_REUSEPORT: each tokenizer worker binds its own, and
-    the kernel spreads new connections over them (one shared socket would let whichever process
-    accepts first take a whole burst)."""
+def bound_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A socket bound to (host, port) as uvicorn binds one (SO_REUSEADDR). With `reuse_port`
+    (SO_REUSEPORT) each tokenizer worker binds its own and the kernel spreads new connections over
+    them (one shared socket would let whichever process accepts first take a whole burst)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(False)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
     return sock
 
 
@@ -193,7 +197,7 @@ def serve(runtime: ServerRuntime) -> int:
         if args.tokenizer_worker_num == 1:
             server.run()
         else:
-            server.run(sockets=[shared_listen_socket(args.host, args.port)])
+            server.run(sockets=[bound_socket(args.host, args.port, reuse_port=True)])
     except SystemExit:
         pass
     return runtime.exit_code if server.started else 1

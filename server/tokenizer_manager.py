@@ -121,7 +121,8 @@ class TokenizerManager:
         QueueFullError (503) or ServerDeadError (503)."""
         self._check_capacity(len(reqs), probe)
         rids = [req.rid or uuid.uuid4().hex for req in reqs]
-        if group is None and not probe:  # OpenAI choices' and probes' rids are made here from uuid4
+        # Only client-given rids can clash: OpenAI choices' and probes' are made here from uuid4.
+        if self._peers and group is None and not probe:
             await self._check_peers_free([req.rid for req in reqs if req.rid])
         # Tokenizing costs CPU time in proportion to the prompt: a worker thread does it (the fast
         # tokenizers release the GIL), so the event loop keeps serving other requests meanwhile.
