@@ -150,12 +150,12 @@ class TokenizerManager:
         """ValueError if another tokenizer worker has one of these client-given rids in flight. Two
         workers taking the same rid at once are left to the scheduler, which refuses the second:
         that client gets an abort instead of the 400."""
-        for rid in given_rids:
-            try:
-                answers = await self.ask_peers("in_use", rid)
-            except asyncio.TimeoutError:
-                raise ServerDeadError("the other tokenizer workers did not answer") from None
-            if any(a.data["in_use"] for a in answers):
+        try:  # one round trip for all of them, not one per rid
+            answers = await asyncio.gather(*(self.ask_peers("in_use", rid) for rid in given_rids))
+        except asyncio.TimeoutError:
+            raise ServerDeadError("the other tokenizer workers did not answer") from None
+        for rid, theirs in zip(given_rids, answers):
+            if any(a.data["in_use"] for a in theirs):
                 raise ValueError(f"request id {rid!r} is already in use")
 
     def _check_capacity(self, n: int, probe: bool) -> None:
